@@ -1,0 +1,377 @@
+"""Value flattening in a slippery FrozenLake, measured against exact values.
+
+SP3O (arXiv 2609.18708): with a terminal-only reward and gamma = lambda = 1 every dense critic target is
+the outcome R, so the dense MSE is (mean_t v_t - R)^2 + (1/T) sum_t (v_t - mean_t v_t)^2, a penalty on
+value variation within a trajectory ("value flattening"), reproduced there in a slippery FrozenLake.
+In a gridworld the true values are exact, so here the effect is measured with no Monte Carlo noise.
+
+Per map size and seed (each seed draws its own map, data and critic initialisations):
+- Map: gymnasium's `generate_random_map` (redrawn until S reaches G), `is_slippery=True`, reward 1 at G,
+  gamma = 1, no time limit; also redrawn if the policy wins with probability outside (0.05, 0.95).
+- Behaviour policy (fixed, like a frozen actor): epsilon-uniform mixed with greedy on Q*. Q* is discounted
+  by 0.99 only to pick this policy (the gamma = 1 optimum bumps into walls for hundreds of steps); every
+  value reported is for gamma = 1. Exact V^pi: the linear Bellman system from `env.unwrapped.P`.
+- Encoding: a Gaussian bump per cell, phi(s)_j = exp(-|c_s - c_j|^2 / 2) (width 1 cell): neighbouring
+  cells look alike, as neighbouring LLM prefixes do, yet any map is representable.
+- Critics: one tanh MLP each; same data, same batches, same number of Adam steps; positions are the T
+  states s_0..s_{T-1} a trajectory acts from. (a) dense: MSE against R at every position (PPO with
+  gamma = lambda = 1, no value clipping); (b) anchors: the same MSE only at SP3O's anchors
+  (`sp3o.anchor_positions`), mean per trajectory, then over trajectories (released launcher);
+  (c) tracking (TPPO, shared head g): z_0 = g(0, phi(s_0)) and a free increment per transition,
+  delta_t = g(phi(s_{t-1}), phi(s_t)), the analogue of the token that moved the prefix
+  (g(phi(s_t)) - g(phi(s_{t-1})) would collapse to a state critic); z_t = z_0 + sum_{k<=t} delta_k,
+  V_t = sigmoid(z_t), BCE against R at every position. V_t depends on the path: its map is a mean over visits.
+- Metrics on held-out trajectories: MSE and Pearson correlation against V^pi over all visited positions;
+  variation ratio = sum over trajectories of std_t(prediction) / the same sum for V^pi (1 faithful, 0 flat);
+  sign accuracy of value changes between the start and the anchors (TPPO's diagnostic; intervals where
+  V^pi moves by more than `sign_min_change`; a predicted change of 0 counts as wrong).
+- Network-free check: each cell's mean outcome over all visits, or over anchor visits only, against V^pi.
+  Anchors sit at fractions of the finished length T, so choosing them looks into the future.
+"""
+import argparse
+import csv
+import os
+import time
+from dataclasses import dataclass, field, fields
+
+import gymnasium as gym
+import numpy as np
+import torch
+from gymnasium.envs.toy_text.frozen_lake import generate_random_map
+from tqdm import tqdm
+
+from sp3o import anchor_positions
+
+CRITICS = ("dense", "anchors", "tracking")
+
+
+@dataclass
+class Args:
+    sizes: list[int] = field(default_factory=lambda: [4, 8, 16])  # map side lengths
+    seeds: int = 3  # seeds 0..seeds-1; each draws its own map, data and initialisation
+    steps: int = 1500  # Adam steps per critic (the same for all three)
+    batch_trajectories: int = 64  # trajectories per step
+    train_trajectories: int = 4096  # fixed training set per map, shared by the three critics
+    eval_trajectories: int = 1000  # held-out trajectories for the metrics
+    hole_fraction: float = 0.1  # probability that a cell is a hole
+    epsilon: float = 0.1  # behaviour policy: probability of a uniform random action
+    behaviour_discount: float = 0.99  # discount of the Q* the behaviour policy is greedy on
+    rbf_width: float = 1.0  # width of the per-cell Gaussian features, in cells
+    hidden: int = 64  # width of the critics' two hidden layers
+    lr: float = 1e-3  # Adam learning rate
+    sign_min_change: float = 0.01  # smallest exact value change kept by the sign accuracy
+    threads: int = 1  # torch CPU threads
+    out_dir: str = "runs/frozenlake"  # where the table, CSV and figure go
+
+
+def parse_args():
+    parser, defaults = argparse.ArgumentParser(description=__doc__.splitlines()[0]), Args()
+    for f in fields(Args):
+        many = f.name == "sizes"
+        parser.add_argument("--" + f.name.replace("_", "-"), type=int if many else f.type,
+                            nargs="+" if many else None, default=getattr(defaults, f.name))
+    return Args(**vars(parser.parse_args()))
+
+
+def make_map(size, seed, hole_fraction=0.1):
+    """A solvable square map (gymnasium redraws until S reaches G) as a list of row strings."""
+    return generate_random_map(size=size, p=1.0 - hole_fraction, seed=seed)
+
+
+def transition_tables(P):
+    """env.unwrapped.P as arrays [state, action, outcome]: next state, probability, reward, done."""
+    n_states, n_actions = len(P), len(P[0])
+    n_out = max(len(P[s][a]) for s in P for a in P[s])
+    nxt = np.zeros((n_states, n_actions, n_out), dtype=np.int64)
+    prob, reward = np.zeros((2, n_states, n_actions, n_out))
+    done = np.ones((n_states, n_actions, n_out), dtype=bool)
+    for s in P:
+        for a in P[s]:
+            for k, (p, s2, r, d) in enumerate(P[s][a]):
+                nxt[s, a, k], prob[s, a, k], reward[s, a, k], done[s, a, k] = s2, p, r, d
+    return nxt, prob, reward, done
+
+
+def value_iteration(tables, policy=None, discount=1.0, tol=1e-12, max_iters=1_000_000):
+    """Iterates the Bellman operator from V = 0: optimality if policy is None, else evaluation. -> (V, Q)."""
+    nxt, prob, reward, done = tables
+    values = np.zeros(nxt.shape[0])
+    for _ in range(max_iters):
+        q = (prob * (reward + discount * ~done * values[nxt])).sum(-1)
+        new = q.max(1) if policy is None else (policy * q).sum(1)
+        if np.abs(new - values).max() < tol:
+            return new, q
+        values = new
+    return values, q
+
+
+def exact_values(tables, policy):
+    """V^pi with gamma = 1 from the linear system V = r_pi + P_pi V (states that cannot reach reward: 0)."""
+    nxt, prob, reward, done = tables
+    n = nxt.shape[0]
+    weight = policy[:, :, None] * prob  # probability of each (action, outcome) from each state
+    r_pi = (weight * reward).sum((1, 2))
+    p_pi = np.zeros((n, n))
+    np.add.at(p_pi, (np.repeat(np.arange(n), nxt[0].size), nxt.ravel()), (weight * ~done).ravel())
+    can_win, edges = r_pi > 0, (p_pi > 0).astype(float)  # grow to the states that can reach a reward,
+    for _ in range(n):  # the others have value 0 (and would make I - P_pi singular)
+        can_win = can_win | (edges @ can_win > 0)
+    values = np.zeros(n)
+    values[can_win] = np.linalg.solve(np.eye(can_win.sum()) - p_pi[np.ix_(can_win, can_win)], r_pi[can_win])
+    return values
+
+
+def behaviour_policy(tables, epsilon, discount):
+    """epsilon-uniform mixed with greedy (ties split evenly) on Q* at the given discount."""
+    _, q = value_iteration(tables, discount=discount, tol=1e-10)
+    greedy = (q >= q.max(1, keepdims=True) - 1e-9).astype(float)
+    return (1 - epsilon) * greedy / greedy.sum(1, keepdims=True) + epsilon / q.shape[1]
+
+
+def inverse_cdf(probs, rng):
+    """One index per row of probs (rows sum to 1; zero-probability entries are never drawn)."""
+    cdf = probs.cumsum(1)
+    return (rng.random(len(probs))[:, None] >= cdf / cdf[:, -1:]).sum(1)
+
+
+def sample_trajectories(tables, policy, n, rng, start=0):
+    """n episodes run to the end, all at once. -> list of state arrays (s_0..s_{T-1}), outcomes R."""
+    nxt, prob, reward, done = tables
+    state, alive, outcome, visits = np.full(n, start), np.ones(n, dtype=bool), np.zeros(n), []
+    while alive.any():
+        visits.append(np.where(alive, state, -1))
+        idx = np.flatnonzero(alive)
+        s = state[idx]
+        a = inverse_cdf(policy[s], rng)  # action, then which of the slippery outcomes happens
+        k = inverse_cdf(prob[s, a], rng)
+        outcome[idx] += reward[s, a, k]
+        state[idx] = nxt[s, a, k]
+        alive[idx] = ~done[s, a, k]
+    return [row[row >= 0] for row in np.array(visits).T], outcome
+
+
+def cell_features(size, width):
+    """Per-cell Gaussian bumps: phi(s)_j = exp(-|c_s - c_j|^2 / (2 width^2)); neighbours look alike."""
+    rows, cols = np.divmod(np.arange(size * size), size)
+    sq_dist = (rows[:, None] - rows[None, :]) ** 2 + (cols[:, None] - cols[None, :]) ** 2
+    return torch.tensor(np.exp(-sq_dist / (2 * width**2)), dtype=torch.float32)
+
+
+def variation_ratio(pred_trajs, exact_trajs):
+    """Sum over trajectories of std_t(prediction) / the same sum for the exact values (1 faithful, 0 flat)."""
+    pairs = [(np.std(p), np.std(e)) for p, e in zip(pred_trajs, exact_trajs) if len(e) > 1]
+    exact_total = sum(e for _, e in pairs)
+    return sum(p for p, _ in pairs) / exact_total if exact_total > 1e-9 else float("nan")
+
+
+def sign_accuracy(pred_trajs, exact_trajs, min_change=0.01):
+    """Share of intervals between the start and SP3O's anchors where the predicted change has the sign
+    of the exact change; only intervals where the exact value moves by more than min_change count."""
+    hits = []
+    for pred, exact in zip(pred_trajs, exact_trajs):
+        points = sorted({0, *anchor_positions(len(exact))})
+        d_pred, d_exact = np.diff(np.asarray(pred)[points]), np.diff(np.asarray(exact)[points])
+        keep = np.abs(d_exact) > min_change
+        hits.extend(np.sign(d_pred[keep]) == np.sign(d_exact[keep]))
+    return float(np.mean(hits)) if hits else float("nan")
+
+
+def critic_outputs(kind, net, features, states, prev_states):
+    """Raw outputs at each position; the net runs once per distinct cell (or transition) and is gathered."""
+    n = features.shape[0]
+    if kind == "tracking":  # key = (previous cell or n at the start, cell)
+        keys = prev_states * n + states
+        with_start = torch.cat([features, torch.zeros(1, n)])
+        make_input = lambda k: torch.cat([with_start[k // n], features[k % n]], dim=1)
+    else:
+        keys, make_input = states, lambda k: features[k]
+    unique, inverse = torch.unique(keys, return_inverse=True)
+    return net(make_input(unique)).squeeze(-1)[inverse]
+
+
+def tracking_logits(increments, starts):
+    """z_t = z_0 + sum_{k<=t} delta_k within each trajectory of a flat batch (cumsum in float64)."""
+    total = increments.double().cumsum(0)
+    starts = torch.from_numpy(starts)
+    before_start = (total - increments.double())[starts]  # cumsum up to the previous trajectory's end
+    traj_id = torch.zeros(len(increments), dtype=torch.long)
+    traj_id[starts[1:]] = 1
+    return (total - before_start[traj_id.cumsum(0)]).float()
+
+
+def flatten(trajs, outcomes, idx, n_cells):
+    """Flat batch of trajectories idx: states, previous states (n_cells at a start), outcomes (tensors);
+    start offsets and lengths (numpy)."""
+    lengths = np.array([len(trajs[i]) for i in idx])
+    states = np.concatenate([trajs[i] for i in idx])
+    starts = np.concatenate([[0], lengths.cumsum()[:-1]])
+    prev = np.concatenate([[n_cells], states[:-1]])
+    prev[starts] = n_cells
+    targets = torch.tensor(np.repeat(outcomes[idx], lengths), dtype=torch.float32)
+    return torch.from_numpy(states), torch.from_numpy(prev), targets, starts, lengths
+
+
+def predict(kind, net, features, trajs):
+    """Predicted values at every position of every trajectory, as a list of arrays."""
+    states, prev, _, starts, lengths = flatten(trajs, np.zeros(len(trajs)), range(len(trajs)), len(features))
+    with torch.no_grad():
+        out = critic_outputs(kind, net, features, states, prev)
+        values = torch.sigmoid(tracking_logits(out, starts)) if kind == "tracking" else out
+    return np.split(values.numpy(), lengths.cumsum()[:-1])
+
+
+def train_critic(kind, trajs, outcomes, features, args, seed):
+    torch.manual_seed(seed)
+    n_inputs = features.shape[1] * (2 if kind == "tracking" else 1)
+    net = torch.nn.Sequential(torch.nn.Linear(n_inputs, args.hidden), torch.nn.Tanh(),
+                              torch.nn.Linear(args.hidden, args.hidden), torch.nn.Tanh(),
+                              torch.nn.Linear(args.hidden, 1))
+    opt = torch.optim.Adam(net.parameters(), lr=args.lr)
+    anchor_weights = []  # SP3O's anchors, each weighted 1 / (anchors in its trajectory)
+    for t in trajs:
+        anchors = anchor_positions(len(t))
+        anchor_weights.append(np.bincount(anchors, minlength=len(t)).astype(np.float32) / len(anchors))
+    batch_rng = np.random.default_rng(seed)  # the same batches for every critic
+    for _ in range(args.steps):
+        idx = batch_rng.choice(len(trajs), args.batch_trajectories, replace=False)
+        states, prev, targets, starts, _ = flatten(trajs, outcomes, idx, len(features))
+        out = critic_outputs(kind, net, features, states, prev)
+        if kind == "dense":  # every visited state, token mean (PPO)
+            loss = ((out - targets) ** 2).mean()
+        elif kind == "anchors":  # SP3O: anchors only, mean per trajectory, then over trajectories
+            weight = torch.from_numpy(np.concatenate([anchor_weights[i] for i in idx]))
+            loss = (weight * (out - targets) ** 2).sum() / len(idx)
+        else:  # TPPO: BCE of sigmoid(z_t) against R at every position
+            logits = tracking_logits(out, starts)
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, targets)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return net
+
+
+def make_task(size, map_seed, args):
+    """Map, transition tables, behaviour policy and exact V^pi. A map on which the policy almost always
+    or almost never wins has (nearly) no value to track, so it is redrawn with the next seed."""
+    for attempt in range(100):
+        desc = make_map(size, map_seed + 100_000 * attempt, args.hole_fraction)
+        tables = transition_tables(gym.make("FrozenLake-v1", desc=desc, is_slippery=True).unwrapped.P)
+        policy = behaviour_policy(tables, args.epsilon, args.behaviour_discount)
+        v_exact = exact_values(tables, policy)
+        if 0.05 < v_exact[0] < 0.95:
+            break
+    return desc, tables, policy, v_exact
+
+
+def tabular_target_mse(train, outcomes, test, exact_trajs, positions, n):
+    """No network: each cell's mean outcome over the training positions chosen by positions(T), scored
+    against V^pi on the test positions of cells it saw. Shows whether those targets are unbiased."""
+    cells = np.concatenate([t[positions(len(t))] for t in train])
+    wins = np.concatenate([np.full(len(positions(len(t))), r) for t, r in zip(train, outcomes)])
+    with np.errstate(invalid="ignore"):
+        cell_mean = np.bincount(cells, wins, n) / np.bincount(cells, minlength=n)
+    errors = cell_mean[np.concatenate(test)] - np.concatenate(exact_trajs)
+    return float(np.nanmean(errors**2))
+
+
+def run_one(size, seed, args):
+    """One map: data, exact values, the three critics. -> metrics per critic, value maps, map info."""
+    map_seed = 1000 * seed + size
+    desc, tables, policy, v_exact = make_task(size, map_seed, args)
+    rng = np.random.default_rng(map_seed)
+    train, train_r = sample_trajectories(tables, policy, args.train_trajectories, rng)
+    test, _ = sample_trajectories(tables, policy, args.eval_trajectories, rng)
+    exact_trajs = [v_exact[t] for t in test]
+    features = cell_features(size, args.rbf_width)
+    flat_states, flat_exact = np.concatenate(test), np.concatenate(exact_trajs)
+
+    def cell_map(flat_values):  # mean over visits of each cell; NaN where never visited
+        with np.errstate(invalid="ignore"):
+            sums = np.bincount(flat_states, flat_values, size * size)
+            return (sums / np.bincount(flat_states, minlength=size * size)).reshape(size, size)
+
+    info = {"p_success": v_exact[0], "mean_len": np.mean([len(t) for t in train]), "desc": desc,
+            "tabular_all": tabular_target_mse(train, train_r, test, exact_trajs, np.arange, size**2),
+            "tabular_anchors": tabular_target_mse(train, train_r, test, exact_trajs, anchor_positions, size**2)}
+    maps, results = {"exact": cell_map(flat_exact)}, {}
+    for kind in CRITICS:
+        net = train_critic(kind, train, train_r, features, args, map_seed)
+        pred = predict(kind, net, features, test)
+        flat_pred = np.concatenate(pred)
+        corr = np.corrcoef(flat_pred, flat_exact)[0, 1] if flat_pred.std() > 0 else 0.0
+        results[kind] = {"mse": np.mean((flat_pred - flat_exact) ** 2), "corr": corr,
+                         "variation_ratio": variation_ratio(pred, exact_trajs),
+                         "sign_acc": sign_accuracy(pred, exact_trajs, args.sign_min_change)}
+        maps[kind] = cell_map(flat_pred)
+    return results, maps, info
+
+
+def plot_maps(maps_by_size, desc_by_size, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    titles = ["exact $V^\\pi$", "dense MSE (PPO)", "anchors (SP3O)", "tracking (TPPO)"]
+    fig, axes = plt.subplots(len(maps_by_size), 4, figsize=(12, 2.9 * len(maps_by_size)), squeeze=False,
+                             layout="constrained")
+    cmap = matplotlib.colormaps["viridis"].copy()
+    cmap.set_bad("white")
+    for row, (size, maps) in zip(axes, maps_by_size.items()):
+        top = max(np.nanmax(maps["exact"]), 1e-6)  # one colour scale per size, set by the exact map
+        holes = np.where(np.array([list(r) for r in desc_by_size[size]]) == "H", 0.0, np.nan)
+        for ax, title, grid in zip(row, titles, maps.values()):
+            image = ax.imshow(grid, cmap=cmap, vmin=0, vmax=top)
+            ax.imshow(holes, cmap="gray", vmin=0, vmax=1)  # NaN is transparent: only holes are drawn
+            ax.text(size - 1, size - 1, "G", ha="center", va="center", color="red", fontweight="bold")
+            ax.set_title(f"{size}x{size}: {title}", fontsize=10)
+            ax.set_axis_off()
+        fig.colorbar(image, ax=list(row), shrink=0.85)
+    fig.suptitle("Seed 0: mean value per visited cell (black: holes, white: never visited)")
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    os.makedirs(args.out_dir, exist_ok=True)
+    start = time.time()
+    metrics, info, maps_seed0 = {}, {}, {}  # (size, critic) -> per-seed metrics; size -> per-seed info
+    for size, seed in tqdm([(z, s) for z in args.sizes for s in range(args.seeds)], desc="maps x 3 critics"):
+        results, maps, map_info = run_one(size, seed, args)
+        for kind, values in results.items():
+            metrics.setdefault((size, kind), []).append(values)
+        info.setdefault(size, []).append(map_info)
+        maps_seed0.setdefault(size, maps)
+
+    summary = []  # one row per (size, critic): mean and std over seeds of every number
+    for (size, kind), per_seed in metrics.items():
+        row = {"size": size, "critic": kind}
+        for name in (*per_seed[0], "p_success", "mean_len", "tabular_all", "tabular_anchors"):
+            values = [m[name] for m in per_seed] if name in per_seed[0] else [i[name] for i in info[size]]
+            row[name + "_mean"], row[name + "_std"] = np.nanmean(values), np.nanstd(values)
+        summary.append(row)
+    show = lambda row, name, digits=3: f"{row[name + '_mean']:.{digits}f} ± {row[name + '_std']:.{digits}f}"
+    lines = ["| size | critic | MSE vs exact | corr vs exact | variation ratio | sign acc |", "|---" * 6 + "|"]
+    lines += [f"| {r['size']}x{r['size']} | {r['critic']} | {show(r, 'mse', 4)} | {show(r, 'corr')} | "
+              f"{show(r, 'variation_ratio')} | {show(r, 'sign_acc')} |" for r in summary]
+    lines += ["", "| size | P(success) | mean T | tabular target MSE, all states | tabular target MSE, anchors |",
+              "|---" * 5 + "|"]
+    lines += [f"| {r['size']}x{r['size']} | {show(r, 'p_success', 2)} | {show(r, 'mean_len', 0)} | "
+              f"{show(r, 'tabular_all', 4)} | {show(r, 'tabular_anchors', 4)} |" for r in summary[::3]]
+    lines.append(f"\nMean ± std over {args.seeds} seeds (each its own map); {args.steps} Adam steps per critic, "
+                 f"{args.batch_trajectories} of {args.train_trajectories} training trajectories per step, "
+                 f"{args.eval_trajectories} held-out trajectories.")
+    table = "\n".join(lines)
+    print(table)
+    with open(os.path.join(args.out_dir, "metrics.md"), "w") as f:
+        f.write(table + "\n")
+    with open(os.path.join(args.out_dir, "metrics.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(summary[0]))
+        writer.writeheader()
+        writer.writerows(summary)
+    plot_maps(maps_seed0, {size: per_seed[0]["desc"] for size, per_seed in info.items()},
+              os.path.join(args.out_dir, "value_maps.png"))
+    print(f"wrote {args.out_dir}/metrics.md, metrics.csv, value_maps.png in {time.time() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
