@@ -5,8 +5,7 @@ Per rollout: G samples per prompt; reward R = 1 if the last \\boxed{} answer mat
 0 (a response cut off at the length limit scores 0); every token of sample i gets the advantage
 A_i = (R_i - mean of its group) / (std + eps); the policy takes PPO-clip steps on those advantages.
 
-    python grpo.py                                      # built-in CPU demo (tiny model, addition task)
-    python grpo.py --model Qwen3-4B-Base --dataset train.parquet --eval-dataset math500.jsonl
+Usage: `python <this file>` runs the built-in CPU demo; `--model Qwen3-4B-Base --dataset train.parquet` a real run.
 """
 import os
 import time
@@ -22,10 +21,11 @@ import common
 
 @dataclass
 class Args:
-    """GRPO trainer. Defaults are the published settings (../shared/METHODS.md); --model tiny uses TINY_PRESET."""
+    """Command-line flags. Defaults are the published settings (../shared/METHODS.md); --model tiny uses TINY_PRESET."""
     model: str = "tiny"  # policy: `tiny` (built-in CPU demo), a hub name (Qwen3-4B-Base) or a local path
     dataset: str = "builtin"  # training problems: `builtin`, a .jsonl/.json/.parquet file or a hub dataset id
-    eval_dataset: str = "builtin"  # held-out problems, same formats (`builtin`: the task's held-out split)
+    eval_datasets: tuple[str, ...] = ("builtin",)  # held-out sets: .jsonl/.json/.parquet files, hub ids or `builtin`
+    eval_only: bool = False  # evaluate --model (a hub model or a checkpoint's policy/ directory) and exit
     steps: int = 500  # rollout iterations
     seed: int = 0  # seed of data order, sampling and initialization
     run_name: str = ""  # metrics and checkpoints go to <output-dir>/<run-name>/ (default: grpo_<model>_s<seed>)
@@ -126,7 +126,8 @@ def check_args(args):
     if args.samples_per_prompt < 2:
         raise common.UserError("--samples-per-prompt must be at least 2: GRPO's baseline is the mean of a group")
     rollout_size = args.prompts_per_step * args.samples_per_prompt
-    if rollout_size % args.mini_batches or (rollout_size // args.mini_batches) % args.micro_batch_size:
+    mini_batch_size = rollout_size // args.mini_batches
+    if rollout_size % args.mini_batches or not mini_batch_size or mini_batch_size % min(args.micro_batch_size, mini_batch_size):
         raise common.UserError(f"a rollout of {rollout_size} samples does not split into {args.mini_batches} "
                                f"mini-batches of whole micro-batches of {args.micro_batch_size}")
 
@@ -134,8 +135,9 @@ def check_args(args):
 def main():
     args = common.parse_args(Args, TINY_PRESET)
     check_args(args)
+    resume_path = common.find_checkpoint(args.resume) if args.resume else None  # a bad path fails before any model loads
     train_rows = common.load_rows(args.dataset, "train", n_builtin=65536, seed=args.seed, skip_bad_rows=args.skip_bad_rows)
-    eval_sets = common.load_eval_sets(args.eval_dataset, args.eval_problems, args.skip_bad_rows)
+    eval_sets = common.load_eval_sets(args.eval_datasets, args.eval_problems, args.skip_bad_rows)
     common.seed_everything(args.seed)
     device = args.device or common.default_device()
     policy, tokenizer = common.load_model(args.model, args.dtype, device, args.trust_remote_code)
@@ -147,7 +149,9 @@ def main():
     generator = common.make_generator(args.generator, policy, tokenizer)
     run_dir = common.run_directory(args, __file__)
     logger = common.Logger(run_dir, args, args.tensorboard, args.wandb_project)
-    start_step = common.load_checkpoint(args.resume, models, optimizers) if args.resume else 0
+    start_step = common.load_checkpoint(resume_path, models, optimizers) if resume_path else 0
+    if args.eval_only:  # evaluate and exit, through the same code as the evaluations during training
+        return common.run_eval_only(args, generator, tokenizer, eval_sets, logger, start_step)
     step, skipped_in_a_row = start_step, 0
     progress = tqdm(range(start_step, args.steps), desc=os.path.basename(run_dir), initial=start_step, total=args.steps)
     try:
@@ -156,6 +160,7 @@ def main():
             if step == start_step or (args.eval_every and step % args.eval_every == 0):
                 metrics.update(common.evaluate(generator, tokenizer, eval_sets, args.eval_n, args.eval_max_tokens,
                                                args.eval_temperature, args.eval_top_p))
+                progress.write(common.eval_table(metrics))
             # 1. Rollout: G samples for each prompt.
             step_start = time.time()
             rows = common.step_rows(train_rows, step, args.prompts_per_step, args.seed)
@@ -223,6 +228,7 @@ def main():
             if step == args.steps - 1:
                 metrics.update(common.evaluate(generator, tokenizer, eval_sets, args.eval_n, args.eval_max_tokens,
                                                args.eval_temperature, args.eval_top_p))
+                progress.write(common.eval_table(metrics))
             logger.log(step, metrics, progress.write)
             if args.save_every and (step + 1) % args.save_every == 0:
                 common.save_checkpoint(run_dir, step + 1, models, optimizers, tokenizer, args.keep_checkpoints)

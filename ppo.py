@@ -1,5 +1,5 @@
-"""PPO with a learned critic, token level (Schulman et al. 2017; the verl recipe used as the baseline of
-SP3O, TPPO and SPPO). The parent file of sp3o.py, tppo.py and sppo.py: `diff ppo.py sp3o.py` shows a method.
+"""PPO with a learned critic, token level (Schulman et al. 2017; the verl recipe, baseline of SP3O and TPPO).
+A file of the ppo.py family (ppo, sp3o, tppo, sppo): `diff ppo.py <file>` shows what a method changes.
 
 Per rollout: G samples per prompt; reward R at the last response token (1 for a correct final \\boxed{}
 answer, else 0; a truncated response scores 0). A critic (a copy of the base model with a scalar head)
@@ -7,8 +7,7 @@ reads V(s_t) at the token before y_t; GAE(gamma, lambda) gives advantages, white
 tokens, and returns G_t = A_t + V_t; the policy takes PPO-clip steps, the critic clipped-value-loss steps on
 every valid token. With gamma = lambda = 1 (the default) every return equals R and A_t = R - V(s_t).
 
-    python ppo.py                                       # built-in CPU demo (tiny model, addition task)
-    python ppo.py --model Qwen3-4B-Base --dataset train.parquet --eval-dataset math500.jsonl
+Usage: `python <this file>` runs the built-in CPU demo; `--model Qwen3-4B-Base --dataset train.parquet` a real run.
 """
 import os
 import time
@@ -24,10 +23,11 @@ import common
 
 @dataclass
 class Args:
-    """PPO trainer. Defaults are the published settings (../shared/METHODS.md); --model tiny uses TINY_PRESET."""
+    """Command-line flags. Defaults are the published settings (../shared/METHODS.md); --model tiny uses TINY_PRESET."""
     model: str = "tiny"  # policy: `tiny` (built-in CPU demo), a hub name (Qwen3-4B-Base) or a local path
     dataset: str = "builtin"  # training problems: `builtin`, a .jsonl/.json/.parquet file or a hub dataset id
-    eval_dataset: str = "builtin"  # held-out problems, same formats (`builtin`: the task's held-out split)
+    eval_datasets: tuple[str, ...] = ("builtin",)  # held-out sets: .jsonl/.json/.parquet files, hub ids or `builtin`
+    eval_only: bool = False  # evaluate --model (a hub model or a checkpoint's policy/ directory) and exit
     steps: int = 500  # rollout iterations
     seed: int = 0  # seed of data order, sampling and initialization
     run_name: str = ""  # metrics and checkpoints go to <output-dir>/<run-name>/ (default: grpo_<model>_s<seed>)
@@ -44,9 +44,9 @@ class Args:
     temperature: float = 1.0  # rollout sampling temperature (published: 1.0)
     top_p: float = 1.0  # rollout nucleus sampling (1.0: off)
     lr: float = 1e-6  # policy learning rate (published: 1e-6)
-    critic_lr: float = 1e-5  # critic learning rate (published: 1e-5 in verl; 4e-6 in SP3O's baseline)
-    weight_decay: float = 0.01  # AdamW weight decay (verl default)
-    adam_betas: tuple[float, ...] = (0.9, 0.999)  # AdamW betas
+    critic_lr: float = 4e-6  # critic learning rate (published: 4e-6, SP3O's PPO baseline; verl's examples use 1e-5)
+    weight_decay: float = 0.1  # AdamW weight decay (published: 0.1, SP3O's PPO baseline; verl's default 0.01)
+    adam_betas: tuple[float, ...] = (0.9, 0.98)  # AdamW betas (published: 0.9, 0.98, SP3O's PPO baseline)
     mini_batches: int = 2  # optimizer steps per rollout per epoch (published: 2)
     epochs: int = 1  # passes over each rollout
     micro_batch_size: int = 8  # sequences per forward/backward; gradients accumulate up to a mini-batch
@@ -59,6 +59,9 @@ class Args:
     lam_critic: float = 1.0  # GAE lambda of the critic's returns (published: 1.0)
     whiten_advantages: bool = True  # normalize advantages over the batch's valid tokens (published: on)
     critic_warmup: int = 0  # first N rollouts train only the critic, the actor frozen
+    probe_every: int = 0  # critic diagnostics every N steps: critic vs Monte Carlo values on held-out prompts (0: off)
+    probe_prompts: int = 16  # held-out prompts per probe, one sampled response each
+    probe_continuations: int = 8  # K, Monte Carlo continuations per probed state (prompt, 30/60/90% of the response)
     aggregation: Literal["token-mean", "seq-mean", "sum-max-len"] = "token-mean"  # loss reduction (sum-max-len: Dr. GRPO)
     kl_coef: float = 0.0  # beta of the k3 KL to a frozen reference (0: no reference model is loaded)
     eval_every: int = 50  # evaluate every N steps (and always at the first and last step; 0: only those)
@@ -146,17 +149,18 @@ def k3_kl(logprobs, reference_logprobs):
     return torch.exp(log_ratio) - log_ratio - 1
 
 
-def value_loss(values, old_values, returns, mask, clip=0.2, **counts):
-    """Clipped value loss: max((v - G)^2, (v_clip - G)^2), v_clip = v_old + clip(v - v_old, -clip, clip),
-    reduced as token-mean over `mask` (dense supervision: every valid token)."""
+def value_loss(values, old_values, returns, weights, clip=0.2, **counts):
+    """Clipped value loss: max((v - G)^2, (v_clip - G)^2), v_clip = v_old + clip(v - v_old, -clip, clip), reduced
+    as sum(weights * loss) / num_tokens. PPO weighs every valid token 1: dense supervision, token-mean."""
     clipped_values = old_values + (values - old_values).clamp(-clip, clip)
     losses = torch.maximum((values - returns) ** 2, (clipped_values - returns) ** 2)
-    return aggregate(losses, mask, "token-mean", **counts)
+    return aggregate(losses, weights, "token-mean", **counts)
 
 
 def check_args(args):
     rollout_size = args.prompts_per_step * args.samples_per_prompt
-    if rollout_size % args.mini_batches or (rollout_size // args.mini_batches) % args.micro_batch_size:
+    mini_batch_size = rollout_size // args.mini_batches
+    if rollout_size % args.mini_batches or not mini_batch_size or mini_batch_size % min(args.micro_batch_size, mini_batch_size):
         raise common.UserError(f"a rollout of {rollout_size} samples does not split into {args.mini_batches} "
                                f"mini-batches of whole micro-batches of {args.micro_batch_size}")
 
@@ -164,8 +168,9 @@ def check_args(args):
 def main():
     args = common.parse_args(Args, TINY_PRESET)
     check_args(args)
+    resume_path = common.find_checkpoint(args.resume) if args.resume else None  # a bad path fails before any model loads
     train_rows = common.load_rows(args.dataset, "train", n_builtin=65536, seed=args.seed, skip_bad_rows=args.skip_bad_rows)
-    eval_sets = common.load_eval_sets(args.eval_dataset, args.eval_problems, args.skip_bad_rows)
+    eval_sets = common.load_eval_sets(args.eval_datasets, args.eval_problems, args.skip_bad_rows)
     common.seed_everything(args.seed)
     device = args.device or common.default_device()
     policy, tokenizer = common.load_model(args.model, args.dtype, device, args.trust_remote_code)
@@ -180,7 +185,9 @@ def main():
     generator = common.make_generator(args.generator, policy, tokenizer)
     run_dir = common.run_directory(args, __file__)
     logger = common.Logger(run_dir, args, args.tensorboard, args.wandb_project)
-    start_step = common.load_checkpoint(args.resume, models, optimizers) if args.resume else 0
+    start_step = common.load_checkpoint(resume_path, models, optimizers) if resume_path else 0
+    if args.eval_only:  # evaluate and exit, through the same code as the evaluations during training
+        return common.run_eval_only(args, generator, tokenizer, eval_sets, logger, start_step)
     step, skipped_in_a_row = start_step, 0
     progress = tqdm(range(start_step, args.steps), desc=os.path.basename(run_dir), initial=start_step, total=args.steps)
     try:
@@ -189,6 +196,12 @@ def main():
             if step == start_step or (args.eval_every and step % args.eval_every == 0):
                 metrics.update(common.evaluate(generator, tokenizer, eval_sets, args.eval_n, args.eval_max_tokens,
                                                args.eval_temperature, args.eval_top_p))
+                progress.write(common.eval_table(metrics))
+            if args.probe_every and step % args.probe_every == 0:  # critic vs Monte Carlo values (SP3O, TPPO diagnostics)
+                metrics.update(common.probe_critic(
+                    generator, tokenizer, next(iter(eval_sets.values())), lambda micro: common.response_values(critic, micro),
+                    critic, args.probe_prompts, args.probe_continuations, args.max_response_tokens, args.temperature,
+                    args.top_p, device, args.micro_batch_size, args.seed))
             # 1. Rollout: G samples for each prompt.
             step_start = time.time()
             rows = common.step_rows(train_rows, step, args.prompts_per_step, args.seed)
@@ -212,9 +225,11 @@ def main():
             token_rewards = terminal_rewards(rewards, mask)
             token_advantages = gae(token_rewards, old_values, mask, args.gamma, args.lam_actor)[0]
             returns = gae(token_rewards, old_values, mask, args.gamma, args.lam_critic)[1]
+            metrics["explained_variance"] = common.explained_variance(old_values, returns, mask)
             if args.whiten_advantages:
                 token_advantages = whiten(token_advantages, mask)
             actor_frozen = step < args.critic_warmup  # critic warm-up: the actor waits
+            critic_weights = mask.float()  # dense supervision: every valid token enters the critic loss
             # 4. Update: `mini_batches` optimizer steps per epoch, gradients accumulated over micro-batches.
             update_start = time.time()
             for _ in range(args.epochs):
@@ -236,8 +251,9 @@ def main():
                         if not actor_frozen:
                             loss.backward()
                         values = common.response_values(critic, micro_batch)
-                        critic_loss = value_loss(values, old_values[micro, :width], returns[micro, :width], micro_mask,
-                                                 args.value_clip, **counts)
+                        critic_loss = value_loss(values, old_values[micro, :width], returns[micro, :width],
+                                                 critic_weights[micro, :width], args.value_clip,
+                                                 num_tokens=critic_weights[mini_batch].sum().item())
                         critic_loss.backward()
                         mini_batch_loss += loss.item()
                         mini_batch_value_loss += critic_loss.item()
@@ -272,6 +288,7 @@ def main():
             if step == args.steps - 1:
                 metrics.update(common.evaluate(generator, tokenizer, eval_sets, args.eval_n, args.eval_max_tokens,
                                                args.eval_temperature, args.eval_top_p))
+                progress.write(common.eval_table(metrics))
             logger.log(step, metrics, progress.write)
             if args.save_every and (step + 1) % args.save_every == 0:
                 common.save_checkpoint(run_dir, step + 1, models, optimizers, tokenizer, args.keep_checkpoints)

@@ -1,22 +1,327 @@
-"""SP3O: PPO with sparse critic supervision at anchor positions (arXiv 2609.18708, code Dodojordi/SP3O).
+"""SP3O: PPO whose critic learns only at 3 anchors per response (arXiv 2609.18708; code Dodojordi/SP3O).
+A file of the ppo.py family (ppo, sp3o, tppo, sppo): `diff ppo.py <file>` shows what a method changes.
 
-(Work in progress: the trainer is being built; `anchor_positions` below is final.)
+Per rollout: G samples per prompt; reward R at the last response token (1 for a correct final \\boxed{}
+answer, else 0; a truncated response scores 0). A critic (a copy of the base model with a scalar head)
+reads V(s_t) at the token before y_t; GAE(gamma, lambda) gives advantages, whitened over the batch's valid
+tokens, and returns G_t = A_t + V_t; the policy takes PPO-clip steps, the critic clipped-value-loss steps at
+3 anchors per response. With gamma = lambda = 1 (the default) every return equals R and A_t = R - V(s_t).
+
+Usage: `python <this file>` runs the built-in CPU demo; `--model Qwen3-4B-Base --dataset train.parquet` a real run.
 """
+import os
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from tqdm import tqdm
+
+import common
+
+
+@dataclass
+class Args:
+    """Command-line flags. Defaults are the published settings (../shared/METHODS.md); --model tiny uses TINY_PRESET."""
+    model: str = "tiny"  # policy: `tiny` (built-in CPU demo), a hub name (Qwen3-4B-Base) or a local path
+    dataset: str = "builtin"  # training problems: `builtin`, a .jsonl/.json/.parquet file or a hub dataset id
+    eval_datasets: tuple[str, ...] = ("builtin",)  # held-out sets: .jsonl/.json/.parquet files, hub ids or `builtin`
+    eval_only: bool = False  # evaluate --model (a hub model or a checkpoint's policy/ directory) and exit
+    steps: int = 500  # rollout iterations
+    seed: int = 0  # seed of data order, sampling and initialization
+    run_name: str = ""  # metrics and checkpoints go to <output-dir>/<run-name>/ (default: grpo_<model>_s<seed>)
+    output_dir: str = "runs"  # parent directory of runs
+    resume: str = ""  # continue from a checkpoint directory (runs/<run>/checkpoints/step_N) or a run directory
+    generator: Literal["auto", "hf", "vllm"] = "auto"  # rollout engine (auto: vLLM when it imports and CUDA is there)
+    device: str = ""  # torch device (default: cuda when available, else cpu)
+    dtype: str = "auto"  # parameter dtype (auto: bfloat16 on GPU, float32 on CPU)
+    trust_remote_code: bool = False  # allow custom model code from the hub (off: never run downloaded code)
+    prompts_per_step: int = 64  # prompts per rollout (published: 64)
+    samples_per_prompt: int = 8  # G, samples per prompt (published: 8)
+    critic_model: str = ""  # critic backbone (default: the policy's base model; a smaller one works too)
+    max_response_tokens: int = 8192  # response length limit; truncated responses score 0 (published: 8192)
+    temperature: float = 1.0  # rollout sampling temperature (published: 1.0)
+    top_p: float = 1.0  # rollout nucleus sampling (1.0: off)
+    lr: float = 1e-6  # policy learning rate (published: 1e-6)
+    critic_lr: float = 4e-6  # critic learning rate (published: 4e-6, SP3O's PPO baseline; verl's examples use 1e-5)
+    weight_decay: float = 0.1  # AdamW weight decay (published: 0.1, SP3O's PPO baseline; verl's default 0.01)
+    adam_betas: tuple[float, ...] = (0.9, 0.98)  # AdamW betas (published: 0.9, 0.98, SP3O's PPO baseline)
+    mini_batches: int = 2  # optimizer steps per rollout per epoch (published: 2)
+    epochs: int = 1  # passes over each rollout
+    micro_batch_size: int = 8  # sequences per forward/backward; gradients accumulate up to a mini-batch
+    grad_clip: float = 1.0  # max global gradient norm (published: 1.0)
+    clip_low: float = 0.2  # PPO clip epsilon below 1 (published: 0.2)
+    clip_high: float = 0.2  # PPO clip epsilon above 1 (0.28 is DAPO's clip-higher; published default 0.2)
+    value_clip: float = 0.2  # critic loss clip around the rollout's values (published: 0.2)
+    gamma: float = 1.0  # GAE discount (published: 1.0)
+    lam_actor: float = 1.0  # GAE lambda of the policy's advantages (published: 1.0; VC-PPO/VAPO decouple it, e.g. 0.95)
+    lam_critic: float = 1.0  # GAE lambda of the critic's returns (published: 1.0)
+    whiten_advantages: bool = False  # normalize advantages over the batch's valid tokens (published: off)
+    critic_warmup: int = 20  # first N rollouts train only the critic, densely, the actor frozen (published: 20)
+    anchor_ratios: tuple[float, ...] = (0.3, 0.6, 0.9)  # anchors at these fractions of a response (published; ablations: 0.2 0.5 0.8, K = 8, 16)
+    anchor_placement: Literal["fixed", "random"] = "fixed"  # random: as many uniform ratios, drawn per sample (ablation)
+    tail_ratio: float = 0.95  # one more anchor, uncapped, on responses of tail-min-len tokens or more (published; 0: none)
+    tail_min_len: int = 6144  # response length from which the tail anchor is added (published: 6144)
+    anchor_loss: Literal["seq-mean", "token-mean"] = "seq-mean"  # mean over each sample's anchors, then samples (released), or per anchor
+    probe_every: int = 0  # critic diagnostics every N steps: critic vs Monte Carlo values on held-out prompts (0: off)
+    probe_prompts: int = 16  # held-out prompts per probe, one sampled response each
+    probe_continuations: int = 8  # K, Monte Carlo continuations per probed state (prompt, 30/60/90% of the response)
+    aggregation: Literal["token-mean", "seq-mean", "sum-max-len"] = "token-mean"  # loss reduction (sum-max-len: Dr. GRPO)
+    kl_coef: float = 0.0  # beta of the k3 KL to a frozen reference (0: no reference model is loaded)
+    eval_every: int = 50  # evaluate every N steps (and always at the first and last step; 0: only those)
+    eval_problems: int = 0  # held-out problems per evaluation (0: all)
+    eval_n: int = 32  # samples per held-out problem for avg@n and pass@k (published: 32)
+    eval_temperature: float = 1.0  # evaluation temperature (published: 1.0; 0 is greedy)
+    eval_top_p: float = 0.95  # evaluation nucleus sampling (published: 0.95)
+    eval_max_tokens: int = 8192  # evaluation response length limit
+    skip_bad_rows: bool = False  # skip malformed dataset rows (reported as a count) instead of stopping
+    max_skipped_updates: int = 5  # stop after this many non-finite updates in a row (a checkpoint is saved)
+    save_every: int = 50  # checkpoint every N steps, and at the end (0: only at the end)
+    keep_checkpoints: int = 2  # how many recent checkpoints to keep
+    tensorboard: bool = False  # also log to TensorBoard in the run directory
+    wandb_project: str = ""  # also log to this Weights & Biases project
+
+
+# The CPU demo: small batches, a higher learning rate (5e-5 to 1e-4 is the safe range for the tiny model),
+# greedy evaluation on 256 held-out problems.
+TINY_PRESET = dict(steps=60, prompts_per_step=16, max_response_tokens=48, lr=1e-4, critic_lr=5e-4, micro_batch_size=64,
+                   eval_every=0, eval_problems=256, eval_n=1, eval_temperature=0.0, eval_top_p=1.0,
+                   eval_max_tokens=48, save_every=0, critic_warmup=5)  # 20 of 500 published; the demo has 60 steps
+
+
+def gae(rewards, values, mask, gamma=1.0, lam=1.0):
+    """Generalized advantage estimation (Schulman et al. 2016) on [B, T] tensors, responses right-padded:
+    delta_t = r_t + gamma V_{t+1} - V_t (no value after the last valid token), A_t = sum_k (gamma lam)^k delta_{t+k}.
+    Returns (advantages, returns = A + V), zero on padding. With gamma = lam = 1, A_t = R - V_t."""
+    mask = mask.float()
+    values = values * mask
+    advantages = torch.zeros_like(values)
+    running = torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[1])):
+        next_mask = mask[:, t + 1] if t + 1 < values.shape[1] else torch.zeros_like(running)
+        next_value = values[:, t + 1] if t + 1 < values.shape[1] else torch.zeros_like(running)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = delta + gamma * lam * next_mask * running
+        advantages[:, t] = running * mask[:, t]
+    return advantages, (advantages + values) * mask
+
+
+def whiten(values, mask, eps=1e-8):
+    """(x - mean) / std over the valid tokens (verl's masked_whiten); padding stays 0."""
+    valid = values[mask]
+    return ((values - valid.mean()) / (valid.std() + eps)) * mask
+
+
+def terminal_rewards(rewards, mask):
+    """[B, T] token rewards: R on each response's last valid token, 0 elsewhere."""
+    token_rewards = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    last = (mask.sum(1) - 1).clamp(min=0)
+    token_rewards[torch.arange(mask.shape[0], device=mask.device), last] = rewards.to(mask.device) * mask.any(1)
+    return token_rewards
+
+
+def aggregate(token_losses, mask, aggregation, num_sequences=None, num_tokens=None, max_length=None):
+    """Reduce [B, T] per-token losses. token-mean: sum / valid tokens; seq-mean: mean over sequences of each
+    sequence's token mean; sum-max-len: sum / (sequences * max_length) (Dr. GRPO). A micro-batch passes the
+    mini-batch's counts, so the micro-batch losses add up to the mini-batch loss for any split."""
+    mask = mask.float()
+    num_sequences = num_sequences or mask.shape[0]
+    if aggregation == "token-mean":
+        return (token_losses * mask).sum() / max(num_tokens or mask.sum().item(), 1)
+    if aggregation == "seq-mean":
+        return ((token_losses * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_sequences
+    if aggregation == "sum-max-len":
+        return (token_losses * mask).sum() / (num_sequences * (max_length or mask.shape[1]))
+    raise ValueError(f"unknown aggregation {aggregation!r}")
+
+
+def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.2, aggregation="token-mean",
+                **counts):
+    """PPO-clip (Schulman et al. 2017) per token: max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)),
+    r = exp(logprobs - old_logprobs); reduced by `aggregate`. Returns (loss, clip_fraction)."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    loss = aggregate(torch.maximum(unclipped, clipped), mask, aggregation, **counts)
+    clip_fraction = ((clipped > unclipped) & mask).sum() / mask.sum().clamp(min=1)
+    return loss, clip_fraction
+
+
+def k3_kl(logprobs, reference_logprobs):
+    """Per-token k3 estimator of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1 (Schulman, 2020); >= 0."""
+    log_ratio = reference_logprobs - logprobs
+    return torch.exp(log_ratio) - log_ratio - 1
 
 
 def anchor_positions(n_valid, ratios=(0.3, 0.6, 0.9), tail_ratio=0.95, tail_min_len=6144):
-    """Anchor offsets among the n valid response tokens (the released rule, METHODS.md).
+    """SP3O's released rule: offsets round(L * r), L = n - 1 (half to even), capped at L - 1 (n = 1: 0); one more,
+    uncapped, at round(L * tail_ratio) if n >= tail_min_len (tail_ratio 0: none). Collisions merge; n = 0: none."""
+    offsets = {min(round((n_valid - 1) * ratio), max(n_valid - 2, 0)) for ratio in ratios if n_valid > 0}
+    tail = {round((n_valid - 1) * tail_ratio)} if tail_ratio and n_valid >= max(tail_min_len, 1) else set()
+    return sorted(offsets | tail)
 
-    L = n - 1; each ratio r gives round(L * r) (Python round: half to even), clamped to [0, L] and
-    capped at L - 1 so a non-terminal ratio never picks the last token (for n = 1 the cap is 0: the
-    only token). If n >= tail_min_len, one more anchor at round(L * tail_ratio) with no cap.
-    Colliding anchors merge; an empty response has none. Released tests: n=11 -> [3, 6, 9]; n=2 -> [0].
-    """
-    if n_valid <= 0:
-        return []
-    last = n_valid - 1
-    cap = max(last - 1, 0)
-    offsets = {min(max(round(last * ratio), 0), last, cap) for ratio in ratios}
-    if tail_ratio is not None and n_valid >= tail_min_len:
-        offsets.add(min(max(round(last * tail_ratio), 0), last))
-    return sorted(offsets)
+
+def anchor_weights(mask, ratios=(0.3, 0.6, 0.9), tail_ratio=0.95, tail_min_len=6144, reduction="seq-mean", placement="fixed"):
+    """[B, T] critic-loss weights: 1 / k at each of a sample's k anchors (seq-mean, released) or 1 (token-mean)."""
+    weights = torch.zeros(mask.shape, device=mask.device)
+    for row, columns in enumerate(mask.nonzero()[:, 1].split(mask.sum(1).tolist())):
+        row_ratios = torch.rand(len(ratios)).tolist() if placement == "random" else ratios
+        anchors = anchor_positions(len(columns), row_ratios, tail_ratio, tail_min_len)
+        weights[row, columns[anchors]] = 1.0 if reduction == "token-mean" else 1.0 / max(len(anchors), 1)
+    return weights
+
+
+def value_loss(values, old_values, returns, weights, clip=0.2, **counts):
+    """Clipped value loss: max((v - G)^2, (v_clip - G)^2), v_clip = v_old + clip(v - v_old, -clip, clip), reduced
+    as sum(weights * loss) / num_tokens. PPO weighs every valid token 1: dense supervision, token-mean."""
+    clipped_values = old_values + (values - old_values).clamp(-clip, clip)
+    losses = torch.maximum((values - returns) ** 2, (clipped_values - returns) ** 2)
+    return aggregate(losses, weights, "token-mean", **counts)
+
+
+def check_args(args):
+    if not args.anchor_ratios or not all(0 < ratio <= 1 for ratio in args.anchor_ratios):
+        raise common.UserError(f"--anchor-ratios {args.anchor_ratios}: give ratios in (0, 1], e.g. 0.3 0.6 0.9")
+    rollout_size = args.prompts_per_step * args.samples_per_prompt
+    mini_batch_size = rollout_size // args.mini_batches
+    if rollout_size % args.mini_batches or not mini_batch_size or mini_batch_size % min(args.micro_batch_size, mini_batch_size):
+        raise common.UserError(f"a rollout of {rollout_size} samples does not split into {args.mini_batches} "
+                               f"mini-batches of whole micro-batches of {args.micro_batch_size}")
+
+
+def main():
+    args = common.parse_args(Args, TINY_PRESET)
+    check_args(args)
+    resume_path = common.find_checkpoint(args.resume) if args.resume else None  # a bad path fails before any model loads
+    train_rows = common.load_rows(args.dataset, "train", n_builtin=65536, seed=args.seed, skip_bad_rows=args.skip_bad_rows)
+    eval_sets = common.load_eval_sets(args.eval_datasets, args.eval_problems, args.skip_bad_rows)
+    common.seed_everything(args.seed)
+    device = args.device or common.default_device()
+    policy, tokenizer = common.load_model(args.model, args.dtype, device, args.trust_remote_code)
+    reference = None
+    if args.kl_coef > 0:
+        reference = common.load_model(args.model, args.dtype, device, args.trust_remote_code)[0].requires_grad_(False)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=args.adam_betas, weight_decay=args.weight_decay)
+    critic = common.load_model(args.critic_model or args.model, args.dtype, device, args.trust_remote_code, value_head=True)[0]
+    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, betas=args.adam_betas,
+                                         weight_decay=args.weight_decay)
+    models, optimizers = {"policy": policy, "critic": critic}, {"policy": optimizer, "critic": critic_optimizer}
+    generator = common.make_generator(args.generator, policy, tokenizer)
+    run_dir = common.run_directory(args, __file__)
+    logger = common.Logger(run_dir, args, args.tensorboard, args.wandb_project)
+    start_step = common.load_checkpoint(resume_path, models, optimizers) if resume_path else 0
+    if args.eval_only:  # evaluate and exit, through the same code as the evaluations during training
+        return common.run_eval_only(args, generator, tokenizer, eval_sets, logger, start_step)
+    step, skipped_in_a_row = start_step, 0
+    progress = tqdm(range(start_step, args.steps), desc=os.path.basename(run_dir), initial=start_step, total=args.steps)
+    try:
+        for step in progress:
+            metrics, history = {}, defaultdict(list)
+            if step == start_step or (args.eval_every and step % args.eval_every == 0):
+                metrics.update(common.evaluate(generator, tokenizer, eval_sets, args.eval_n, args.eval_max_tokens,
+                                               args.eval_temperature, args.eval_top_p))
+                progress.write(common.eval_table(metrics))
+            if args.probe_every and step % args.probe_every == 0:  # critic vs Monte Carlo values (SP3O, TPPO diagnostics)
+                metrics.update(common.probe_critic(
+                    generator, tokenizer, next(iter(eval_sets.values())), lambda micro: common.response_values(critic, micro),
+                    critic, args.probe_prompts, args.probe_continuations, args.max_response_tokens, args.temperature,
+                    args.top_p, device, args.micro_batch_size, args.seed))
+            # 1. Rollout: G samples for each prompt.
+            step_start = time.time()
+            rows = common.step_rows(train_rows, step, args.prompts_per_step, args.seed)
+            prompts = [common.prompt_ids(tokenizer, row["question"]) for row in rows]
+            completions = generator.generate(prompts, args.samples_per_prompt, args.max_response_tokens,
+                                             args.temperature, args.top_p)
+            # 2. Reward: 1 for a correct final answer, 0 otherwise and for a truncated response.
+            rewards = torch.tensor([common.verify(c.text, rows[c.prompt_index]["answer"])
+                                    if c.finish_reason == "stop" else 0.0 for c in completions])
+            batch = common.sequence_batch([prompts[c.prompt_index] for c in completions],
+                                          [c.token_ids for c in completions], tokenizer.pad_token_id).to(device)
+            mask = batch.response_mask
+            rollout_seconds = time.time() - step_start
+            # 3. Old (and reference) log-probs recomputed by the trainer; advantages.
+            old_logprobs = common.batched(lambda micro: common.response_logprobs(policy, micro, args.temperature),
+                                          batch, args.micro_batch_size)
+            if reference is not None:
+                reference_logprobs = common.batched(
+                    lambda micro: common.response_logprobs(reference, micro, args.temperature), batch, args.micro_batch_size)
+            old_values = common.batched(lambda micro: common.response_values(critic, micro), batch, args.micro_batch_size)
+            token_rewards = terminal_rewards(rewards, mask)
+            token_advantages = gae(token_rewards, old_values, mask, args.gamma, args.lam_actor)[0]
+            returns = gae(token_rewards, old_values, mask, args.gamma, args.lam_critic)[1]
+            metrics["explained_variance"] = common.explained_variance(old_values, returns, mask)
+            if args.whiten_advantages:
+                token_advantages = whiten(token_advantages, mask)
+            actor_frozen = step < args.critic_warmup  # critic warm-up: the actor waits
+            critic_weights = mask.float() if actor_frozen else anchor_weights(  # warm-up: dense, as released
+                mask, args.anchor_ratios, args.tail_ratio, args.tail_min_len, args.anchor_loss, args.anchor_placement)
+            # 4. Update: `mini_batches` optimizer steps per epoch, gradients accumulated over micro-batches.
+            update_start = time.time()
+            for _ in range(args.epochs):
+                order = torch.randperm(len(completions)).tolist()
+                for mini_batch in common.chunks(order, len(order) // args.mini_batches):
+                    counts = dict(num_sequences=len(mini_batch), num_tokens=int(mask[mini_batch].sum()),
+                                  max_length=args.max_response_tokens)
+                    mini_batch_loss = mini_batch_value_loss = 0.0
+                    for micro in common.chunks(mini_batch, args.micro_batch_size):
+                        micro_batch = batch.select(micro)
+                        micro_mask, width = micro_batch.response_mask, micro_batch.response_width
+                        logprobs = common.response_logprobs(policy, micro_batch, args.temperature)
+                        loss, clip_fraction = policy_loss(logprobs, old_logprobs[micro, :width],
+                                                          token_advantages[micro, :width], micro_mask,
+                                                          args.clip_low, args.clip_high, args.aggregation, **counts)
+                        if reference is not None:
+                            kl = k3_kl(logprobs, reference_logprobs[micro, :width])
+                            loss = loss + args.kl_coef * aggregate(kl, micro_mask, args.aggregation, **counts)
+                        if not actor_frozen:
+                            loss.backward()
+                        values = common.response_values(critic, micro_batch)
+                        critic_loss = value_loss(values, old_values[micro, :width], returns[micro, :width],
+                                                 critic_weights[micro, :width], args.value_clip,
+                                                 num_tokens=critic_weights[mini_batch].sum().item())
+                        critic_loss.backward()
+                        mini_batch_loss += loss.item()
+                        mini_batch_value_loss += critic_loss.item()
+                        history["clip_fraction"].append(clip_fraction.item())
+                        history["approx_kl"].append(k3_kl(old_logprobs[micro, :width], logprobs.detach())[micro_mask].mean().item())
+                    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
+                    critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip)
+                    finite = bool(torch.isfinite(grad_norm) & torch.isfinite(critic_grad_norm))
+                    if finite:  # a non-finite gradient skips the step, weights untouched
+                        optimizer.step()
+                        critic_optimizer.step()
+                    skipped_in_a_row = 0 if finite else skipped_in_a_row + 1
+                    history["skipped_updates"].append(float(not finite))
+                    optimizer.zero_grad(set_to_none=True)
+                    critic_optimizer.zero_grad(set_to_none=True)
+                    if skipped_in_a_row >= args.max_skipped_updates:
+                        path = common.save_checkpoint(run_dir, step, models, optimizers, tokenizer, args.keep_checkpoints)
+                        raise common.UserError(f"{skipped_in_a_row} non-finite updates in a row at step {step}; "
+                                               f"the last good state is saved in {path}")
+                    history["policy_loss"].append(mini_batch_loss)
+                    history["grad_norm"].append(grad_norm.item())
+                    history["value_loss"].append(mini_batch_value_loss)
+                    history["critic_grad_norm"].append(critic_grad_norm.item())
+            generator.sync_weights(policy)
+            update_seconds = time.time() - update_start
+            # 5. Log; evaluate after the last update; checkpoint.
+            response_tokens = int(mask.sum())
+            metrics.update({key: sum(values) / len(values) for key, values in history.items()})
+            metrics.update(common.rollout_metrics(completions, rewards, old_logprobs, mask),
+                           rollout_s=rollout_seconds, update_s=update_seconds,
+                           tokens_per_s=response_tokens / (rollout_seconds + update_seconds))
+            if step == args.steps - 1:
+                metrics.update(common.evaluate(generator, tokenizer, eval_sets, args.eval_n, args.eval_max_tokens,
+                                               args.eval_temperature, args.eval_top_p))
+                progress.write(common.eval_table(metrics))
+            logger.log(step, metrics, progress.write)
+            if args.save_every and (step + 1) % args.save_every == 0:
+                common.save_checkpoint(run_dir, step + 1, models, optimizers, tokenizer, args.keep_checkpoints)
+        common.save_checkpoint(run_dir, args.steps, models, optimizers, tokenizer, args.keep_checkpoints)
+    except KeyboardInterrupt:  # Ctrl-C: keep what the finished steps learned
+        progress.write(f"interrupted: saved {common.save_checkpoint(run_dir, step, models, optimizers, tokenizer, args.keep_checkpoints)}")
+
+
+if __name__ == "__main__":
+    common.run_main(main)

@@ -1,0 +1,165 @@
+"""Update throughput: forward + backward of the response log-probs (common.response_logprobs), in tokens/s.
+
+    python benchmarks/bench_update.py                        # CPU: tiny model and a Qwen3-0.6B-shaped model
+    python benchmarks/bench_update.py --device cuda          # GPU, bfloat16: also MFU and generate tokens/s
+
+Models: the built-in tiny model, and a randomly initialized model of Qwen3-0.6B's shape (28 layers, hidden 1024,
+16 query / 8 key-value heads of 128, MLP 3072, vocabulary 151,936, tied embeddings; no download). One update
+step is a forward pass over a batch of prompt + response tokens, the response log-probs, a policy-gradient-like
+loss (mean log-prob over response tokens) and its backward pass; no optimizer step. tokens/s counts every token
+of the batch (prompt and response). MFU = 6 x parameters x tokens / time / peak FLOP/s, the usual dense
+estimate (it counts the tied lm_head once, for every token, although logits are computed only over the
+response). `generate` tokens/s: Hugging Face generate, sampling, every sequence forced to the full length.
+On the shared CPU machine wall times are inflated by other processes: the table prints the load average.
+"""
+import argparse
+import os
+import platform
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+import common  # noqa: E402
+
+QWEN3_0_6B_SHAPE = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                        head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True,
+                        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6)
+
+
+def build_model(name, device, dtype):
+    if name == "tiny":
+        model, _ = common.load_model("tiny", dtype, device)
+        return model
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(Qwen3Config(**QWEN3_0_6B_SHAPE))
+    return model.to(getattr(torch, dtype))
+
+
+def random_batch(vocab, batch_size, prompt_length, response_length, device, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(3, vocab, (batch_size, prompt_length), generator=generator).tolist()
+    responses = torch.randint(3, vocab, (batch_size, response_length), generator=generator).tolist()
+    return common.sequence_batch(prompts, responses, pad_id=0).to(device)
+
+
+def synchronize(device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def update_step(model, batch):
+    logprobs = common.response_logprobs(model, batch)
+    loss = -(logprobs * batch.response_mask).sum() / batch.response_mask.sum()
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def timed(function, device, warmup, min_seconds, max_iterations=50):
+    """Seconds per call: `warmup` untimed calls, then calls until min_seconds have passed (at least one)."""
+    for _ in range(warmup):
+        function()
+    synchronize(device)
+    start, calls = time.perf_counter(), 0
+    while calls == 0 or (time.perf_counter() - start < min_seconds and calls < max_iterations):
+        function()
+        synchronize(device)
+        calls += 1
+    return (time.perf_counter() - start) / calls, calls
+
+
+def generate_tokens_per_second(model, args, vocab):
+    from transformers import GenerationConfig
+    model.eval()
+    prompts = random_batch(vocab, args.generate_batch, args.prompt_length, 1, args.device, seed=1)
+    inputs = dict(input_ids=prompts.input_ids[:, :-1], attention_mask=prompts.attention_mask[:, :-1])
+    config = GenerationConfig(max_new_tokens=args.generate_tokens, min_new_tokens=args.generate_tokens, do_sample=True,
+                              top_k=0, top_p=1.0, temperature=1.0, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        seconds, _ = timed(lambda: model.generate(**inputs, generation_config=config), args.device, 1, 0)
+    model.train()
+    return args.generate_batch * args.generate_tokens / seconds
+
+
+def peak_memory_gib(device):
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2 ** 30
+    with open("/proc/self/status") as handle:  # the process's peak resident set (reset before each model)
+        return int(next(line for line in handle if line.startswith("VmHWM:")).split()[1]) / 2 ** 20
+
+
+def reset_peak_memory(device):
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+
+
+def main():
+    cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if cuda else "cpu", help="cpu or cuda")
+    parser.add_argument("--models", nargs="+", default=["tiny", "qwen3-0.6b-shape"], help="tiny, qwen3-0.6b-shape")
+    parser.add_argument("--dtype", default="", help="parameter dtype (default: bfloat16 on GPU, float32 on CPU)")
+    parser.add_argument("--batch-size", type=int, default=0, help="sequences per update step (default: 2 CPU, 16 GPU)")
+    parser.add_argument("--prompt-length", type=int, default=0, help="prompt tokens (default: 64 CPU, 256 GPU)")
+    parser.add_argument("--response-length", type=int, default=0, help="response tokens (default: 192 CPU, 768 GPU)")
+    parser.add_argument("--generate-batch", type=int, default=0, help="sequences for generate (default: 2 CPU, 64 GPU)")
+    parser.add_argument("--generate-tokens", type=int, default=0, help="new tokens each (default: 16 CPU, 256 GPU)")
+    parser.add_argument("--warmup", type=int, default=-1, help="untimed update steps first (default: 1 GPU, 0 CPU)")
+    parser.add_argument("--min-seconds", type=float, default=10.0, help="time update steps for at least this long")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="recompute layer activations in backward")
+    parser.add_argument("--peak-flops", type=float, default=989e12, help="peak FLOP/s for MFU (H100/H200 bf16 dense)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (on a shared CPU, 2 threads ran 2-30x slower than 1: OpenMP waits)")
+    args = parser.parse_args()
+    on_gpu = args.device.startswith("cuda")
+    args.warmup = (1 if on_gpu else 0) if args.warmup < 0 else args.warmup
+    defaults = dict(dtype="bfloat16" if on_gpu else "float32", batch_size=16 if on_gpu else 2,
+                    prompt_length=256 if on_gpu else 64, response_length=768 if on_gpu else 192,
+                    generate_batch=64 if on_gpu else 2, generate_tokens=256 if on_gpu else 16)
+    for name, value in defaults.items():
+        if not getattr(args, name):
+            setattr(args, name, value)
+    torch.set_num_threads(args.threads)
+    machine = (f"{torch.cuda.get_device_name()}, " if on_gpu else "") + \
+        f"{platform.processor() or platform.machine()} with {os.cpu_count()} cores, {args.threads} torch threads"
+    print(f"machine: {machine}; torch {torch.__version__}; load average before: {os.getloadavg()[0]:.2f}")
+    print(f"update batch: {args.batch_size} x ({args.prompt_length} prompt + {args.response_length} response) tokens, "
+          f"{args.dtype}{', gradient checkpointing' if args.gradient_checkpointing else ''}; generate: "
+          f"{args.generate_batch} x {args.generate_tokens} new tokens\n")
+    rows = []
+    for name in args.models:
+        reset_peak_memory(args.device)
+        model = build_model(name, args.device, args.dtype)
+        model.train()
+        if args.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        vocab = model.config.vocab_size
+        parameters = sum(p.numel() for p in model.parameters())
+        batch = random_batch(vocab, args.batch_size, args.prompt_length, args.response_length, args.device)
+        tokens = batch.input_ids.numel()
+        seconds, steps = timed(lambda: update_step(model, batch), args.device, args.warmup, args.min_seconds)
+        memory = peak_memory_gib(args.device)
+        mfu = 6 * parameters * tokens / seconds / args.peak_flops if on_gpu else None
+        generate = generate_tokens_per_second(model, args, vocab)
+        rows.append((name, parameters, tokens, steps, seconds, tokens / seconds, mfu, generate, memory))
+        del model
+    print("| model | parameters | tokens / step | timed steps | s / step | update tokens/s | MFU | "
+          "generate tokens/s | peak memory (GiB) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, parameters, tokens, steps, seconds, rate, mfu, generate, memory in rows:
+        print(f"| {name} | {parameters / 1e6:.1f}M | {tokens} | {steps} | {seconds:.2f} | {rate:,.0f} | "
+              f"{'-' if mfu is None else f'{100 * mfu:.1f}%'} | {generate:,.1f} | {memory:.2f} |")
+    measure = "torch.cuda.max_memory_allocated" if on_gpu else "the process's peak resident set (VmHWM), reset per model"
+    print(f"\nload average after: {os.getloadavg()[0]:.2f}; peak memory: {measure}")
+
+
+if __name__ == "__main__":
+    main()

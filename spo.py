@@ -1,0 +1,418 @@
+"""SPO: Segment Policy Optimization (arXiv 2505.23564; code AIFrameResearch/SPO). Derived from grpo.py:
+`diff grpo.py spo.py` shows what SPO changes.
+
+Critic-free, like GRPO, but the credit is per segment of a response instead of per response: a segment's
+advantage is the difference of Monte Carlo value estimates V = mean reward of K continuations at its two
+borders. SPO-chain (short CoT, the default): borders are cutpoints just before every `interval`-th
+low-probability token (p < 0.9 at the sampling temperature); segment (c_{k-1}, c_k] gets V(c_k) - V(c_{k-1}),
+the last one R - V(c_last); the prompt state is the border c_0 = -1, valued by the mean reward of the prompt's
+G samples; a response without cutpoints gets 0. SPO-tree (--mode tree, long CoT): each prompt grows a tree
+of fixed-length segments (depth 3, 6 children per node); a node's value is the mean of its children's, each
+edge is a training sample with advantage V(child) - V(parent). Both put advantages and loss only on the
+low-probability tokens (the probability mask), whiten over those tokens and take PPO-clip steps.
+
+Usage: `python <this file>` runs the built-in CPU demo; `--model Qwen3-4B-Base --dataset train.parquet` a real run.
+Add `--mode tree` for SPO-tree.
+"""
+import os
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from tqdm import tqdm
+
+import common
+
+
+@dataclass
+class Args:
+    """Command-line flags. Defaults are the published settings (../shared/METHODS.md); --model tiny uses TINY_PRESET."""
+    model: str = "tiny"  # policy: `tiny` (built-in CPU demo), a hub name (Qwen3-4B-Base) or a local path
+    dataset: str = "builtin"  # training problems: `builtin`, a .jsonl/.json/.parquet file or a hub dataset id
+    eval_datasets: tuple[str, ...] = ("builtin",)  # held-out sets: .jsonl/.json/.parquet files, hub ids or `builtin`
+    eval_only: bool = False  # evaluate --model (a hub model or a checkpoint's policy/ directory) and exit
+    steps: int = 500  # rollout iterations
+    seed: int = 0  # seed of data order, sampling and initialization
+    run_name: str = ""  # metrics and checkpoints go to <output-dir>/<run-name>/ (default: grpo_<model>_s<seed>)
+    output_dir: str = "runs"  # parent directory of runs
+    resume: str = ""  # continue from a checkpoint directory (runs/<run>/checkpoints/step_N) or a run directory
+    generator: Literal["auto", "hf", "vllm"] = "auto"  # rollout engine (auto: vLLM when it imports and CUDA is there)
+    device: str = ""  # torch device (default: cuda when available, else cpu)
+    dtype: str = "auto"  # parameter dtype (auto: bfloat16 on GPU, float32 on CPU)
+    trust_remote_code: bool = False  # allow custom model code from the hub (off: never run downloaded code)
+    mode: Literal["chain", "tree"] = "chain"  # SPO-chain (short CoT: cutpoints + MC) or SPO-tree (long CoT)
+    prompts_per_step: int = 64  # prompts per rollout (not in METHODS.md for SPO: GRPO's 64)
+    samples_per_prompt: int = 8  # chain: G samples per prompt; their mean reward is V at the prompt (GRPO's 8)
+    max_response_tokens: int = 8192  # response length limit; truncated responses score 0 (published: 8192)
+    temperature: float = 0.6  # rollout and Monte Carlo sampling temperature (published: 0.6)
+    top_p: float = 1.0  # rollout nucleus sampling (1.0: off)
+    mc_samples: int = 9  # chain: K continuations per cutpoint (published: 9 for a 1.1B model on GSM8K, 4 for long CoT)
+    cut_interval: int = 5  # chain: a cutpoint before every N-th low-probability token (published: 5, "int5")
+    prob_threshold: float = 0.9  # low-probability tokens have p < this at the sampling temperature (published: 0.9)
+    probability_mask: bool = True  # advantages and loss only on low-probability tokens (published: on)
+    whiten_advantages: bool = True  # normalize advantages with the statistics of the loss tokens (published: on)
+    tree_depth: int = 3  # tree: levels of segments; the last level runs to completion (published: 3)
+    tree_branching: int = 6  # tree: children per node (published: 6)
+    tree_segment_tokens: int = 600  # tree: tokens per segment (published: 600 for long CoT, 30 for GSM8K)
+    lr: float = 1e-6  # policy learning rate (published: 1e-6)
+    weight_decay: float = 0.01  # AdamW weight decay (verl default)
+    adam_betas: tuple[float, ...] = (0.9, 0.999)  # AdamW betas
+    mini_batches: int = 2  # optimizer steps per rollout per epoch (published: 2)
+    epochs: int = 2  # passes over each rollout (published: 2)
+    micro_batch_size: int = 8  # sequences per forward/backward; gradients accumulate up to a mini-batch
+    grad_clip: float = 1.0  # max global gradient norm (published: 1.0)
+    clip_low: float = 0.2  # PPO clip epsilon below 1 (published: 0.2)
+    clip_high: float = 0.2  # PPO clip epsilon above 1 (0.28 is DAPO's clip-higher; published default 0.2)
+    aggregation: Literal["token-mean", "seq-mean", "sum-max-len"] = "token-mean"  # loss reduction (sum-max-len: Dr. GRPO)
+    kl_coef: float = 1e-4  # beta of the k3 KL to a frozen reference (published: 1e-4; 0: no reference model is loaded)
+    eval_every: int = 50  # evaluate every N steps (and always at the first and last step; 0: only those)
+    eval_problems: int = 0  # held-out problems per evaluation (0: all)
+    eval_n: int = 32  # samples per held-out problem for avg@n and pass@k (published: 32)
+    eval_temperature: float = 1.0  # evaluation temperature (published: 1.0; 0 is greedy)
+    eval_top_p: float = 0.95  # evaluation nucleus sampling (published: 0.95)
+    eval_max_tokens: int = 8192  # evaluation response length limit
+    skip_bad_rows: bool = False  # skip malformed dataset rows (reported as a count) instead of stopping
+    max_skipped_updates: int = 5  # stop after this many non-finite updates in a row (a checkpoint is saved)
+    save_every: int = 50  # checkpoint every N steps, and at the end (0: only at the end)
+    keep_checkpoints: int = 2  # how many recent checkpoints to keep
+    tensorboard: bool = False  # also log to TensorBoard in the run directory
+    wandb_project: str = ""  # also log to this Weights & Biases project
+
+
+# The CPU demo: small batches, a higher learning rate (5e-5 to 1e-4 is the safe range for the tiny model),
+# greedy evaluation on 256 held-out problems. The tiny model is sure of most tokens (about 1.2 with p < 0.9 per
+# response at temperature 0.6): a cutpoint before every one of them (interval 1), K = 4; tree: 3 x 3 x 3 of 12 tokens.
+TINY_PRESET = dict(steps=60, prompts_per_step=16, max_response_tokens=48, lr=1e-4, micro_batch_size=64,
+                   eval_every=0, eval_problems=256, eval_n=1, eval_temperature=0.0, eval_top_p=1.0,
+                   eval_max_tokens=48, save_every=0, cut_interval=1, mc_samples=4, tree_branching=3,
+                   tree_segment_tokens=12)
+
+
+def cutpoints(token_probs, threshold=0.9, interval=5):
+    """SPO-chain cutpoints of one response from its token probabilities p_j (valid tokens only): the position
+    just before every `interval`-th token with p < threshold. A cut c is the state after token c: its Monte
+    Carlo continuations start after y_0..y_c, so the low-probability token c + 1 opens the next segment.
+    A cut at -1 (the first token is such a token) is the prompt state, always a border: it is left out."""
+    low = (token_probs < threshold).nonzero().flatten().tolist()
+    return [j - 1 for j in low[interval - 1::interval] if j > 0]
+
+
+def chain_advantages(rewards, prompt_values, cuts, cut_values, mask):
+    """[B, T] SPO-chain advantages. Borders of a response: the prompt state (a cut at -1, value prompt_values)
+    and its cutpoints c_1 < .. < c_m (values cut_values, Monte Carlo means); the tokens in (c_{k-1}, c_k] get
+    V(c_k) - V(c_{k-1}) and the tokens after c_m get R - V(c_m). A response without cutpoints gets 0 on every
+    token (METHODS.md). Zero on padding."""
+    advantages = torch.zeros(mask.shape)
+    for row, (row_cuts, row_values) in enumerate(zip(cuts, cut_values)):
+        if not row_cuts:
+            continue
+        borders = [-1] + list(row_cuts) + [mask.shape[1] - 1]
+        values = [float(prompt_values[row])] + [float(v) for v in row_values] + [float(rewards[row])]
+        for k in range(len(borders) - 1):
+            advantages[row, borders[k] + 1:borders[k + 1] + 1] = values[k + 1] - values[k]
+    return advantages * mask.cpu()
+
+
+def tree_values(parents, leaf_rewards):
+    """SPO-tree node values: a leaf's value is its reward, an inner node's the mean of its children's values.
+    Nodes are listed parents first (parents[i] < i; -1 for a root)."""
+    children = defaultdict(list)
+    for node, parent in enumerate(parents):
+        if parent >= 0:
+            assert parent < node, "list the tree parents first"
+            children[parent].append(node)
+    values = [0.0] * len(parents)
+    for node in reversed(range(len(parents))):
+        values[node] = sum(values[c] for c in children[node]) / len(children[node]) if children[node] \
+            else float(leaf_rewards[node])
+    return values
+
+
+def edge_advantages(parents, values):
+    """SPO-tree: the edge into node i has advantage V(i) - V(parent(i)); 0 for a root (no edge)."""
+    return [values[node] - values[parent] if parent >= 0 else 0.0 for node, parent in enumerate(parents)]
+
+
+def probability_mask(logprobs, mask, threshold=0.9):
+    """SPO's probability mask: True on valid tokens whose probability p = exp(logprob) at the sampling
+    temperature is below `threshold`; only these carry advantages and loss."""
+    return mask & (logprobs.exp() < threshold)
+
+
+def masked_whiten(values, mask, eps=1e-6):
+    """(x - mean) / std with the statistics of the tokens in `mask` (SPO: the low-probability tokens); 0
+    outside the mask. Fewer than 2 tokens: unchanged; equal values: 0 (std floored at eps, never NaN)."""
+    valid = values[mask]
+    if valid.numel() < 2:
+        return values * mask
+    return (values - valid.mean()) / valid.std().clamp(min=eps) * mask
+
+
+def monte_carlo_values(generator, tokenizer, requests, k, max_tokens, temperature, top_p):
+    """V = mean reward of k continuations for each request (prompt_ids, response_prefix, gold). A continuation
+    scores like a response: verify(prefix + continuation), 0 if it does not stop within the max_tokens the
+    prefix leaves. Identical requests are generated once (one engine request with n = k per unique prefix),
+    in one call with the largest budget. Returns (values in request order, continuation tokens within budget)."""
+    unique = list(dict.fromkeys((tuple(prompt), tuple(prefix), gold) for prompt, prefix, gold in requests))
+    if not unique:
+        return [], 0
+    budgets = [max_tokens - len(prefix) for _, prefix, _ in unique]
+    continuations = generator.generate([list(prompt) + list(prefix) for prompt, prefix, _ in unique], k,
+                                       max(budgets), temperature, top_p)
+    totals, tokens = [0.0] * len(unique), 0
+    for continuation in continuations:
+        _, prefix, gold = unique[continuation.prompt_index]
+        budget = budgets[continuation.prompt_index]
+        tokens += min(len(continuation.token_ids), budget)
+        if continuation.finish_reason == "stop" and len(continuation.token_ids) <= budget:
+            text = tokenizer.decode(list(prefix) + continuation.token_ids, skip_special_tokens=True)
+            totals[continuation.prompt_index] += common.verify(text, gold)
+    value = {key: total / k for key, total in zip(unique, totals)}
+    return [value[(tuple(prompt), tuple(prefix), gold)] for prompt, prefix, gold in requests], tokens
+
+
+@dataclass
+class Tree:
+    """SPO-tree nodes, parents before children; the roots are the prompts (no segment)."""
+    parents: list  # parent node, -1 for a root
+    prompt_index: list  # which prompt the node grows from
+    prefixes: list  # response tokens before the node's segment
+    segments: list  # the node's segment as a common.Completion (None for a root)
+    rewards: list  # a leaf's reward (a truncated leaf scores 0); 0.0 for inner nodes and roots
+
+
+def grow_tree(generator, tokenizer, prompts, golds, depth, branching, segment_tokens, max_tokens, temperature, top_p):
+    """Sample SPO-trees level by level: every open node gets `branching` children, each a segment of
+    `segment_tokens` tokens; the last level (`depth`) runs to completion within max_tokens. A segment that
+    stops is a leaf scored like a response; one that reaches max_tokens is a truncated leaf (reward 0).
+    One engine request per open node with n = branching."""
+    tree = Tree([-1] * len(prompts), list(range(len(prompts))), [[] for _ in prompts], [None] * len(prompts),
+                [0.0] * len(prompts))
+    frontier = list(range(len(prompts)))
+    for level in range(depth):
+        if not frontier:
+            break
+        paths = [tree.prefixes[node] + (tree.segments[node].token_ids if tree.segments[node] else []) for node in frontier]
+        used = len(paths[0])  # every open node has exactly level * segment_tokens response tokens
+        limit = max_tokens - used if level == depth - 1 else min(segment_tokens, max_tokens - used)
+        children = generator.generate([prompts[tree.prompt_index[node]] + path for node, path in zip(frontier, paths)],
+                                      branching, limit, temperature, top_p)
+        next_frontier = []
+        for child in children:
+            parent, path = frontier[child.prompt_index], paths[child.prompt_index]
+            stopped, length = child.finish_reason == "stop", len(path) + len(child.token_ids)
+            reward = 0.0
+            if stopped:
+                text = tokenizer.decode(path + child.token_ids, skip_special_tokens=True)
+                reward = common.verify(text, golds[tree.prompt_index[parent]])
+            elif level < depth - 1 and length < max_tokens:
+                next_frontier.append(len(tree.parents))
+            tree.parents.append(parent)
+            tree.prompt_index.append(tree.prompt_index[parent])
+            tree.prefixes.append(path)
+            tree.segments.append(child)
+            tree.rewards.append(reward)
+        frontier = next_frontier
+    return tree
+
+
+def aggregate(token_losses, mask, aggregation, num_sequences=None, num_tokens=None, max_length=None):
+    """Reduce [B, T] per-token losses. token-mean: sum / valid tokens; seq-mean: mean over sequences of each
+    sequence's token mean; sum-max-len: sum / (sequences * max_length) (Dr. GRPO). A micro-batch passes the
+    mini-batch's counts, so the micro-batch losses add up to the mini-batch loss for any split."""
+    mask = mask.float()
+    num_sequences = num_sequences or mask.shape[0]
+    if aggregation == "token-mean":
+        return (token_losses * mask).sum() / max(num_tokens or mask.sum().item(), 1)
+    if aggregation == "seq-mean":
+        return ((token_losses * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_sequences
+    if aggregation == "sum-max-len":
+        return (token_losses * mask).sum() / (num_sequences * (max_length or mask.shape[1]))
+    raise ValueError(f"unknown aggregation {aggregation!r}")
+
+
+def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.2, aggregation="token-mean",
+                **counts):
+    """PPO-clip (Schulman et al. 2017) per token: max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)),
+    r = exp(logprobs - old_logprobs); reduced by `aggregate`. Returns (loss, clip_fraction)."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    loss = aggregate(torch.maximum(unclipped, clipped), mask, aggregation, **counts)
+    clip_fraction = ((clipped > unclipped) & mask).sum() / mask.sum().clamp(min=1)
+    return loss, clip_fraction
+
+
+def k3_kl(logprobs, reference_logprobs):
+    """Per-token k3 estimator of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1 (Schulman, 2020); >= 0."""
+    log_ratio = reference_logprobs - logprobs
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def check_args(args):
+    if args.mode == "chain" and args.samples_per_prompt < 2:
+        raise common.UserError("--samples-per-prompt must be at least 2: SPO-chain's value at the prompt is a group mean")
+    if min(args.mc_samples, args.cut_interval, args.tree_depth, args.tree_segment_tokens, args.tree_branching - 1) < 1:
+        raise common.UserError("--mc-samples, --cut-interval, --tree-depth and --tree-segment-tokens must be at least 1, "
+                               "--tree-branching at least 2")
+    if not 0 < args.prob_threshold <= 1:
+        raise common.UserError(f"--prob-threshold must be in (0, 1], got {args.prob_threshold}")
+    rollout_size = args.prompts_per_step * args.samples_per_prompt
+    if args.mode == "tree":  # the number of training samples (edges) varies: any split works
+        return
+    mini_batch_size = rollout_size // args.mini_batches
+    if rollout_size % args.mini_batches or not mini_batch_size or mini_batch_size % min(args.micro_batch_size, mini_batch_size):
+        raise common.UserError(f"a rollout of {rollout_size} samples does not split into {args.mini_batches} "
+                               f"mini-batches of whole micro-batches of {args.micro_batch_size}")
+
+
+def main():
+    args = common.parse_args(Args, TINY_PRESET)
+    check_args(args)
+    resume_path = common.find_checkpoint(args.resume) if args.resume else None  # a bad path fails before any model loads
+    train_rows = common.load_rows(args.dataset, "train", n_builtin=65536, seed=args.seed, skip_bad_rows=args.skip_bad_rows)
+    eval_sets = common.load_eval_sets(args.eval_datasets, args.eval_problems, args.skip_bad_rows)
+    common.seed_everything(args.seed)
+    device = args.device or common.default_device()
+    policy, tokenizer = common.load_model(args.model, args.dtype, device, args.trust_remote_code)
+    reference = None
+    if args.kl_coef > 0:
+        reference = common.load_model(args.model, args.dtype, device, args.trust_remote_code)[0].requires_grad_(False)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=args.adam_betas, weight_decay=args.weight_decay)
+    models, optimizers = {"policy": policy}, {"policy": optimizer}
+    generator = common.make_generator(args.generator, policy, tokenizer)
+    run_dir = common.run_directory(args, __file__)
+    logger = common.Logger(run_dir, args, args.tensorboard, args.wandb_project)
+    start_step = common.load_checkpoint(resume_path, models, optimizers) if resume_path else 0
+    if args.eval_only:  # evaluate and exit, through the same code as the evaluations during training
+        return common.run_eval_only(args, generator, tokenizer, eval_sets, logger, start_step)
+    step, skipped_in_a_row = start_step, 0
+    progress = tqdm(range(start_step, args.steps), desc=os.path.basename(run_dir), initial=start_step, total=args.steps)
+    try:
+        for step in progress:
+            metrics, history = {}, defaultdict(list)
+            if step == start_step or (args.eval_every and step % args.eval_every == 0):
+                metrics.update(common.evaluate(generator, tokenizer, eval_sets, args.eval_n, args.eval_max_tokens,
+                                               args.eval_temperature, args.eval_top_p))
+                progress.write(common.eval_table(metrics))
+            # 1. Rollout. chain: G samples for each prompt; tree: a tree of segments for each prompt.
+            step_start = time.time()
+            rows = common.step_rows(train_rows, step, args.prompts_per_step, args.seed)
+            prompts = [common.prompt_ids(tokenizer, row["question"]) for row in rows]
+            golds = [row["answer"] for row in rows]
+            if args.mode == "chain":
+                completions = generator.generate(prompts, args.samples_per_prompt, args.max_response_tokens,
+                                                 args.temperature, args.top_p)
+                # 2. Reward: 1 for a correct final answer, 0 otherwise and for a truncated response.
+                rewards = torch.tensor([common.verify(c.text, golds[c.prompt_index])
+                                        if c.finish_reason == "stop" else 0.0 for c in completions])
+                sample_prompts = [prompts[c.prompt_index] for c in completions]
+            else:  # 2. the leaves are scored inside grow_tree; each edge with a nonzero advantage is a sample
+                tree = grow_tree(generator, tokenizer, prompts, golds, args.tree_depth, args.tree_branching,
+                                 args.tree_segment_tokens, args.max_response_tokens, args.temperature, args.top_p)
+                node_advantages = edge_advantages(tree.parents, tree_values(tree.parents, tree.rewards))
+                edges, inner = [n for n in range(len(tree.parents)) if tree.parents[n] >= 0], set(tree.parents)
+                leaves = [n for n in edges if n not in inner]
+                kept = [n for n in edges if abs(node_advantages[n]) > 1e-9] or edges  # zero-advantage edges dropped
+                completions = [tree.segments[n] for n in kept]
+                sample_prompts = [prompts[tree.prompt_index[n]] + tree.prefixes[n] for n in kept]
+                rewards = torch.tensor([tree.rewards[n] for n in leaves])
+                leaf_lengths = [len(tree.prefixes[n]) + len(tree.segments[n].token_ids) for n in leaves]
+                extra = dict(tree_leaves=len(leaves) / len(prompts), edges_kept=len(kept) / len(edges),
+                             response_length=sum(leaf_lengths) / len(leaves),
+                             truncated=sum(tree.segments[n].finish_reason == "length" for n in leaves) / len(leaves),
+                             mc_tokens=sum(len(tree.segments[n].token_ids) for n in set(edges) - set(kept)))
+            batch = common.sequence_batch(sample_prompts, [c.token_ids for c in completions],
+                                          tokenizer.pad_token_id).to(device)
+            mask = batch.response_mask
+            rollout_seconds = time.time() - step_start
+            # 3. Old (and reference) log-probs recomputed by the trainer; p_j at the sampling temperature; advantages.
+            old_logprobs = common.batched(lambda micro: common.response_logprobs(policy, micro, args.temperature),
+                                          batch, args.micro_batch_size)
+            if reference is not None:
+                reference_logprobs = common.batched(
+                    lambda micro: common.response_logprobs(reference, micro, args.temperature), batch, args.micro_batch_size)
+            low_probability = probability_mask(old_logprobs, mask, args.prob_threshold)
+            if args.mode == "chain":  # Monte Carlo values at the cutpoints, with the policy before this update
+                mc_start, lengths = time.time(), mask.sum(1).tolist()
+                cuts = [cutpoints(old_logprobs[row, :n].exp(), args.prob_threshold, args.cut_interval)
+                        for row, n in enumerate(lengths)]
+                requests = [(sample_prompts[row], c.token_ids[:cut + 1], golds[c.prompt_index])
+                            for row, c in enumerate(completions) for cut in cuts[row]]
+                estimates, mc_tokens = monte_carlo_values(generator, tokenizer, requests, args.mc_samples,
+                                                          args.max_response_tokens, args.temperature, args.top_p)
+                estimates = iter(estimates)
+                cut_values = [[next(estimates) for _ in row_cuts] for row_cuts in cuts]
+                # V at the prompt state (cut -1): our choice, METHODS.md leaves it open: the mean reward of the
+                # prompt's G samples, which are G Monte Carlo rollouts from that state (no extra generation).
+                prompt_values = rewards.view(-1, args.samples_per_prompt).mean(1).repeat_interleave(args.samples_per_prompt)
+                token_advantages = chain_advantages(rewards, prompt_values, cuts, cut_values, mask).to(device)
+                extra = dict(mc_tokens=mc_tokens, cutpoints_per_response=sum(map(len, cuts)) / len(cuts),
+                             mc_s=time.time() - mc_start)
+            else:
+                token_advantages = torch.tensor([node_advantages[n] for n in kept], device=device)[:, None] * mask
+            loss_mask = low_probability if args.probability_mask else mask  # the probability mask
+            if args.whiten_advantages:
+                token_advantages = masked_whiten(token_advantages, loss_mask)
+            # 4. Update: `mini_batches` optimizer steps per epoch, gradients accumulated over micro-batches.
+            update_start = time.time()
+            for _ in range(args.epochs):
+                order = torch.randperm(len(completions)).tolist()
+                for mini_batch in common.chunks(order, -(-len(order) // args.mini_batches)):
+                    counts = dict(num_sequences=len(mini_batch), num_tokens=int(loss_mask[mini_batch].sum()),
+                                  max_length=args.max_response_tokens)
+                    mini_batch_loss = 0.0
+                    for micro in common.chunks(mini_batch, args.micro_batch_size):
+                        micro_batch = batch.select(micro)
+                        micro_mask, width = micro_batch.response_mask, micro_batch.response_width
+                        micro_loss_mask = loss_mask[micro, :width]
+                        logprobs = common.response_logprobs(policy, micro_batch, args.temperature)
+                        loss, clip_fraction = policy_loss(logprobs, old_logprobs[micro, :width],
+                                                          token_advantages[micro, :width], micro_loss_mask,
+                                                          args.clip_low, args.clip_high, args.aggregation, **counts)
+                        if reference is not None:
+                            kl = k3_kl(logprobs, reference_logprobs[micro, :width])
+                            loss = loss + args.kl_coef * aggregate(kl, micro_loss_mask, args.aggregation, **counts)
+                        loss.backward()
+                        mini_batch_loss += loss.item()
+                        history["clip_fraction"].append(clip_fraction.item())
+                        history["approx_kl"].append(k3_kl(old_logprobs[micro, :width], logprobs.detach())[micro_mask].mean().item())
+                    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
+                    finite = bool(torch.isfinite(grad_norm))
+                    if finite:  # a non-finite gradient skips the step, weights untouched
+                        optimizer.step()
+                    skipped_in_a_row = 0 if finite else skipped_in_a_row + 1
+                    history["skipped_updates"].append(float(not finite))
+                    optimizer.zero_grad(set_to_none=True)
+                    if skipped_in_a_row >= args.max_skipped_updates:
+                        path = common.save_checkpoint(run_dir, step, models, optimizers, tokenizer, args.keep_checkpoints)
+                        raise common.UserError(f"{skipped_in_a_row} non-finite updates in a row at step {step}; "
+                                               f"the last good state is saved in {path}")
+                    history["policy_loss"].append(mini_batch_loss)
+                    history["grad_norm"].append(grad_norm.item())
+            generator.sync_weights(policy)
+            update_seconds = time.time() - update_start
+            # 5. Log; evaluate after the last update; checkpoint.
+            response_tokens = int(mask.sum())
+            metrics.update({key: sum(values) / len(values) for key, values in history.items()})
+            metrics.update(common.rollout_metrics(completions, rewards, old_logprobs, mask),
+                           rollout_s=rollout_seconds, update_s=update_seconds,
+                           tokens_per_s=response_tokens / (rollout_seconds + update_seconds))
+            metrics.update(extra, policy_tokens=response_tokens,
+                           low_probability_tokens=int(low_probability.sum()) / len(completions))
+            if step == args.steps - 1:
+                metrics.update(common.evaluate(generator, tokenizer, eval_sets, args.eval_n, args.eval_max_tokens,
+                                               args.eval_temperature, args.eval_top_p))
+                progress.write(common.eval_table(metrics))
+            logger.log(step, metrics, progress.write)
+            if args.save_every and (step + 1) % args.save_every == 0:
+                common.save_checkpoint(run_dir, step + 1, models, optimizers, tokenizer, args.keep_checkpoints)
+        common.save_checkpoint(run_dir, args.steps, models, optimizers, tokenizer, args.keep_checkpoints)
+    except KeyboardInterrupt:  # Ctrl-C: keep what the finished steps learned
+        progress.write(f"interrupted: saved {common.save_checkpoint(run_dir, step, models, optimizers, tokenizer, args.keep_checkpoints)}")
+
+
+if __name__ == "__main__":
+    common.run_main(main)

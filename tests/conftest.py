@@ -1,0 +1,59 @@
+"""Shared fixtures: the repository on sys.path, the benchmark data folder (skip when absent), the tiny model,
+and a runner for the trainers' command lines."""
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # 2 shared cores: torch threads spin when oversubscribed
+
+import pytest  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
+sys.path.insert(0, REPO)
+
+
+@pytest.fixture(scope="session")
+def shared_data():
+    """Path of ../shared/data (GSM8K, MATH500, AIME24, AMC23 jsonl); skips the test when it is absent."""
+    if not os.path.isdir(DATA_DIR):
+        pytest.skip(f"benchmark data folder {os.path.abspath(DATA_DIR)} is absent")
+    return os.path.abspath(DATA_DIR)
+
+
+@pytest.fixture(scope="session")
+def shared_file(shared_data):
+    """shared_file("gsm8k/test.jsonl") -> its path under ../shared/data; skips the test when it is absent."""
+    def path(relative):
+        full = os.path.join(shared_data, relative)
+        if not os.path.exists(full):
+            pytest.skip(f"{full} is absent")
+        return full
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_path():
+    """The built-in tiny checkpoint directory (built on first use, then cached)."""
+    import common
+    return common.build_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_path):
+    """(model, tokenizer) of the built-in tiny model on CPU, float32. Shared by the session: tests may compute
+    gradients (they must zero them) but never change the weights."""
+    import common
+    model, tokenizer = common.load_model("tiny", device="cpu")
+    model.eval()
+    return model, tokenizer
+
+
+@pytest.fixture
+def run_cli():
+    """run_cli("grpo.py", "--flag", "value", timeout=...) -> CompletedProcess, run from the repository root."""
+    def run(script, *args, timeout=120):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        return subprocess.run([sys.executable, script, *map(str, args)], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=timeout)
+    return run

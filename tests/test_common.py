@@ -1,0 +1,532 @@
+"""Tests for common.py: answer checking on real gold answers, data loading and its one-line errors, prompts,
+the CLI builder, the built-in task, pass@k, batching, the tiny model, the HF rollout engine (its log-probs
+against the trainer's) and checkpoints."""
+import copy
+import dataclasses
+import json
+import math
+import os
+import random
+import types
+from dataclasses import dataclass
+from typing import Literal
+
+import pytest
+import torch
+
+import common
+import grpo
+
+
+# ----------------------------------------------------------------------------------------------
+# Answer extraction and checking.
+# ----------------------------------------------------------------------------------------------
+def test_extract_answer_last_boxed_after_think_nested_braces():
+    assert common.extract_answer("first \\boxed{1}, then \\boxed{2}.") == "2"
+    assert common.extract_answer("<think>so \\boxed{7}</think> The answer is \\boxed{8}") == "8"
+    assert common.extract_answer("<think>\\boxed{7}</think> no box after thinking") is None
+    assert common.extract_answer("\\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"
+    assert common.extract_answer("$\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}$") == "\\left( 3, \\frac{\\pi}{2} \\right)"
+    assert common.extract_answer("\\boxed{ 42 }") == "42"
+    assert common.extract_answer("no box at all") is None
+    assert common.extract_answer("") is None
+    assert common.extract_answer("\\boxed{3} and an unclosed \\boxed{4") == "3"
+
+
+def test_verify_plain_cases():
+    assert common.verify("so the answer is \\boxed{18}", "18") == 1.0
+    assert common.verify("\\boxed{17}", "18") == 0.0  # wrong
+    assert common.verify("the answer is 18", "18") == 0.0  # no \boxed{}: 0
+    assert common.verify("", "18") == 0.0
+    assert common.verify("\\boxed{18.00}", "18") == 1.0
+    assert common.verify("\\boxed{$18}", "18") == 1.0  # a currency sign
+    assert common.verify("\\boxed{1,000}", "1000") == 1.0  # thousands separators
+    assert common.verify("\\boxed{25}", "025") == 1.0  # AIME golds are zero-padded strings
+    assert common.verify("<think>\\boxed{18}</think>\\boxed{19}", "18") == 0.0  # only the final answer counts
+    # big integers are compared exactly, not as floats (2^53 + 1 == 2^53 as a float)
+    assert common.verify("\\boxed{9007199254740993}", "9007199254740992") == 0.0
+
+
+def test_verify_equivalent_forms_through_math_verify():
+    timeouts = common.VERIFY_STATS["timeouts"]
+    for answer in ("\\frac{1}{2}", "\\dfrac{1}{2}", "1/2", "0.5"):
+        assert common.verify(f"\\boxed{{{answer}}}", "0.5") == 1.0, answer
+        assert common.verify(f"\\boxed{{{answer}}}", "\\frac{1}{2}") == 1.0, answer
+    assert common.verify("\\boxed{\\frac{1}{3}}", "0.5") == 0.0
+    assert common.verify("\\boxed{\\frac{1}{3}}", "\\frac{1}{2}") == 0.0
+    assert common.verify("\\boxed{\\sqrt{4}}", "2") == 1.0
+    assert common.VERIFY_STATS["timeouts"] == timeouts  # none of these ran out of time
+
+
+def test_every_math500_gold_verifies_against_itself(shared_file):
+    path = shared_file("math500/test.jsonl")
+    raw = [json.loads(line) for line in open(path, encoding="utf-8")]
+    rows = common.load_rows(path)
+    assert len(rows) == len(raw) == 500
+    failures = []
+    for row, original in zip(rows, raw):
+        assert row["answer"] == original["answer"].strip()  # the `answer` field is used, not the solution
+        if common.verify(f"The answer is $\\boxed{{{row['answer']}}}$.", row["answer"]) != 1.0:
+            failures.append(row["answer"])
+    assert not failures, failures
+
+
+def test_gsm8k_golds_verify_against_themselves(shared_file):
+    path = shared_file("gsm8k/test.jsonl")
+    raw = [json.loads(line) for line in open(path, encoding="utf-8")]
+    rows = common.load_rows(path)
+    assert len(rows) == len(raw) == 1319
+    sample = random.Random(0).sample(range(len(rows)), 300)
+    failures = []
+    for i in sample:
+        gold = rows[i]["answer"]
+        assert gold == raw[i]["answer"].split("####")[-1].strip().replace(",", "")
+        if common.verify(f"Step by step... \\boxed{{{gold}}}", gold) != 1.0:
+            failures.append(gold)
+        if common.verify(f"\\boxed{{{int(gold) + 1}}}", gold) != 0.0:
+            failures.append(f"{gold} + 1")
+        if abs(int(gold)) >= 1000 and common.verify(f"\\boxed{{{int(gold):,}}}", gold) != 1.0:  # 1,234
+            failures.append(f"{int(gold):,}")
+    assert not failures, failures
+
+
+def test_amc23_and_aime24_golds(shared_file):
+    amc = common.load_rows(shared_file("amc23/test.jsonl"))
+    assert amc[0]["answer"] == "27"  # stored as the number 27.0
+    assert all("." not in row["answer"] and "e" not in row["answer"] for row in amc)
+    assert all(common.verify(f"\\boxed{{{row['answer']}}}", row["answer"]) == 1.0 for row in amc)
+    aime = common.load_rows(shared_file("aime24/test.jsonl"))
+    assert len(aime) == 30 and all(common.verify(f"\\boxed{{{int(r['answer'])}}}", r["answer"]) == 1.0 for r in aime)
+
+
+# ----------------------------------------------------------------------------------------------
+# Data loading.
+# ----------------------------------------------------------------------------------------------
+def write_jsonl(path, rows, blank_line_after=None):
+    with open(path, "w", encoding="utf-8") as handle:
+        for i, row in enumerate(rows):
+            handle.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
+            if i == blank_line_after:
+                handle.write("\n")
+    return str(path)
+
+
+def test_gold_answer_formats():
+    assert common.gold_answer("Natalia sold 48/2 = 24 clips.\n#### 1,234") == "1234"  # GSM8K
+    assert common.gold_answer("Half of it: $\\boxed{\\frac{1}{2}}$.") == "\\frac{1}{2}"  # MATH solution
+    assert common.gold_answer("\\frac{14}{3}") == "\\frac{14}{3}"  # MATH500 `answer`
+    assert common.gold_answer(27.0) == "27"  # AMC23
+    assert common.gold_answer(-1.0) == "-1"
+    assert common.gold_answer(0.125) == "0.125"
+    assert common.gold_answer(42) == "42"
+    assert common.gold_answer("") is None and common.gold_answer(None) is None
+
+
+def test_gold_answer_large_float_is_not_rounded():
+    # f"{value:g}" keeps 6 significant digits: 1234567.0 -> "1.23457e+06", a wrong gold
+    assert common.gold_answer(1234567.0) == "1234567"
+    assert common.gold_answer(3.14159265) == "3.14159265"
+
+
+def test_load_rows_jsonl_gsm8k_and_math(tmp_path):
+    path = write_jsonl(tmp_path / "mix.jsonl", [
+        {"question": "How many?", "answer": "3 + 4 = 7\n#### 7"},
+        {"problem": "What is half?", "solution": "It is $\\boxed{\\frac{1}{2}}$."},
+        {"prompt": "AMC style", "answer": 27.0},
+    ])
+    rows = common.load_rows(path)
+    assert rows == [{"question": "How many?", "answer": "7"}, {"question": "What is half?", "answer": "\\frac{1}{2}"},
+                    {"question": "AMC style", "answer": "27"}]
+
+
+def test_empty_answer_field_falls_back_to_the_solution(tmp_path):
+    # row_to_example prefers `answer` only when it is non-empty, so an empty one should fall back to `solution`
+    path = write_jsonl(tmp_path / "empty_answer.jsonl",
+                       [{"question": "Empty answer, gold in the solution", "answer": "", "solution": "so \\boxed{5}"}])
+    assert common.load_rows(path) == [{"question": "Empty answer, gold in the solution", "answer": "5"}]
+
+
+def test_load_rows_json_list_and_parquet(tmp_path):
+    rows = [{"problem": "p1", "answer": "\\frac{1}{2}"}, {"problem": "p2", "answer": "#### 12"}]
+    json_path = tmp_path / "set.json"
+    json_path.write_text(json.dumps(rows, indent=1))
+    expected = [{"question": "p1", "answer": "\\frac{1}{2}"}, {"question": "p2", "answer": "12"}]
+    assert common.load_rows(str(json_path)) == expected
+    import pyarrow
+    import pyarrow.parquet
+    parquet_path = str(tmp_path / "set.parquet")
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), parquet_path)
+    assert common.load_rows(parquet_path) == expected
+    numeric = str(tmp_path / "numeric.parquet")
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist([{"question": "q", "answer": 36.0}]), numeric)
+    assert common.load_rows(numeric) == [{"question": "q", "answer": "36"}]
+
+
+def test_load_rows_builtin():
+    rows = common.load_rows("builtin", "train", n_builtin=10, seed=3)
+    assert rows == common.builtin_rows("train", 10, 3) and len(rows) == 10
+
+
+def test_bad_rows_name_file_and_line(tmp_path):
+    # line 1 good, line 2 blank (still counted), line 3 has no answer
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"question": "q1", "answer": "1"}, {"question": "q2"}],
+                       blank_line_after=0)
+    with pytest.raises(common.UserError) as error:
+        common.load_rows(path)
+    message = str(error.value)
+    assert f"{path}:3" in message and "answer" in message and "\n" not in message
+    assert common.load_rows(path, skip_bad_rows=True) == [{"question": "q1", "answer": "1"}]
+
+    broken = write_jsonl(tmp_path / "broken.jsonl", [{"question": "q1", "answer": "1"}, "{not json"])
+    with pytest.raises(common.UserError, match=f"{broken}:2: invalid JSON"):
+        common.load_rows(broken)
+    no_question = write_jsonl(tmp_path / "noq.jsonl", [{"text": "q1", "answer": "1"}])
+    with pytest.raises(common.UserError, match=f"{no_question}:1: no question field"):
+        common.load_rows(no_question)
+
+
+def test_unknown_dataset_path_and_type(tmp_path):
+    with pytest.raises(common.UserError, match="no such file") as error:
+        common.load_rows(str(tmp_path / "missing.jsonl"))
+    assert "\n" not in str(error.value)
+    csv = tmp_path / "data.csv"
+    csv.write_text("question,answer\nq,1\n")
+    with pytest.raises(common.UserError, match="unsupported file type"):
+        common.load_rows(str(csv))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(common.UserError, match="empty.jsonl"):
+        common.load_rows(str(empty))
+
+
+def test_load_eval_sets_names_and_limit(tmp_path):
+    folder = tmp_path / "math500"
+    folder.mkdir()
+    path = write_jsonl(folder / "test.jsonl", [{"problem": f"p{i}", "answer": str(i)} for i in range(5)])
+    sets = common.load_eval_sets(f"{path},builtin", limit=3)
+    assert list(sets) == ["math500", "builtin"]
+    assert [r["answer"] for r in sets["math500"]] == ["0", "1", "2"] and len(sets["builtin"]) == 3
+    assert all(common.is_heldout(r["a"], r["b"]) for r in sets["builtin"])
+
+
+def one_line_cli_error(result):
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    return lines[0]
+
+
+def test_cli_bad_dataset_unknown_flag(tmp_path, run_cli):
+    line = one_line_cli_error(run_cli("grpo.py", "--dataset", tmp_path / "missing.jsonl"))
+    assert "missing.jsonl" in line and "no such file" in line
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"question": "q1", "answer": "1"}, {"question": "q2"}])
+    line = one_line_cli_error(run_cli("grpo.py", "--dataset", bad))
+    assert f"{bad}:2" in line
+    line = one_line_cli_error(run_cli("grpo.py", "--no-such-flag", "3"))
+    assert "--no-such-flag" in line
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompts.
+# ----------------------------------------------------------------------------------------------
+def test_prompt_plain_and_chat_template(tiny):
+    _, tokenizer = tiny
+    assert not getattr(tokenizer, "chat_template", None)
+    plain = tokenizer.decode(common.prompt_ids(tokenizer, "12+34"))
+    assert plain == f"12+34\n{common.INSTRUCTION}\n"
+    chat_tokenizer = copy.deepcopy(tokenizer)
+    chat_tokenizer.chat_template = ("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+                                    "{% if add_generation_prompt %}[assistant]{% endif %}")
+    chat = chat_tokenizer.decode(common.prompt_ids(chat_tokenizer, "12+34"))
+    assert chat == f"[user]12+34\n{common.INSTRUCTION}[assistant]"
+    assert "\\boxed{}" in plain and "\\boxed{}" in chat
+
+
+# ----------------------------------------------------------------------------------------------
+# parse_args.
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class ToyArgs:
+    """A toy trainer."""
+    model: str = "tiny"  # the model
+    steps: int = 500  # rollout iterations
+    lr: float = 1e-6  # learning rate
+    betas: tuple[float, ...] = (0.9, 0.999)  # AdamW betas
+    mode: Literal["a", "b-c"] = "a"  # a choice
+    flag: bool = False  # a switch
+    on: bool = True  # a switch that starts on
+
+
+TOY_PRESET = dict(steps=60, lr=1e-4, flag=True)
+
+
+def test_parse_args_tiny_preset_only_with_tiny_and_never_over_a_given_flag():
+    args = common.parse_args(ToyArgs, TOY_PRESET, [])
+    assert (args.steps, args.lr, args.flag) == (60, 1e-4, True)
+    args = common.parse_args(ToyArgs, TOY_PRESET, ["--model", "tiny", "--steps", "7"])
+    assert (args.steps, args.lr) == (7, 1e-4)
+    args = common.parse_args(ToyArgs, TOY_PRESET, ["--no-flag"])
+    assert args.flag is False  # the user's explicit value beats the preset's True
+    args = common.parse_args(ToyArgs, TOY_PRESET, ["--model", "Qwen3-4B-Base"])
+    assert (args.steps, args.lr, args.flag) == (500, 1e-6, False)
+    args = common.parse_args(ToyArgs, TOY_PRESET, ["--model", "Qwen3-4B-Base", "--lr", "2e-6"])
+    assert (args.steps, args.lr) == (500, 2e-6)
+
+
+def test_parse_args_types():
+    args = common.parse_args(ToyArgs, None, ["--betas", "0.8", "0.95", "--mode", "b-c", "--flag", "--no-on",
+                                             "--steps", "3", "--lr", "0.5"])
+    assert args.betas == (0.8, 0.95) and isinstance(args.betas, tuple)
+    assert args.mode == "b-c" and args.flag is True and args.on is False
+    assert args.steps == 3 and isinstance(args.steps, int) and args.lr == 0.5
+    assert common.parse_args(ToyArgs, None, []).betas == (0.9, 0.999)
+
+
+def test_parse_args_errors_are_one_line(capsys):
+    for argv in (["--mode", "z"], ["--steps", "x"], ["--bogus"]):
+        with pytest.raises(SystemExit) as exit_info:
+            common.parse_args(ToyArgs, None, argv)
+        assert exit_info.value.code == 2
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_parse_args_help_shows_the_field_comments(capsys):
+    with pytest.raises(SystemExit):
+        common.parse_args(grpo.Args, grpo.TINY_PRESET, ["--help"])
+    text = capsys.readouterr().out
+    assert "PPO clip epsilon below 1" in text and "--samples-per-prompt" in text and "--no-tensorboard" in text
+
+
+# ----------------------------------------------------------------------------------------------
+# The built-in task.
+# ----------------------------------------------------------------------------------------------
+def test_train_and_heldout_splits_are_disjoint():
+    train = common.builtin_rows("train", 3000, 0)
+    test = common.builtin_rows("test", 256, 0)
+    assert not any(common.is_heldout(r["a"], r["b"]) for r in train)
+    assert all(common.is_heldout(r["a"], r["b"]) for r in test)
+    assert not {(r["a"], r["b"]) for r in train} & {(r["a"], r["b"]) for r in test}
+    assert all(r["answer"] == str(r["a"] + r["b"]) and r["question"] == f"{r['a']}+{r['b']}" for r in train + test)
+    assert common.builtin_rows("test", 256, 0) == test  # deterministic
+    assert common.builtin_rows("train", 50, 1) != train[:50]
+    # is_heldout: (a * 1000 + b) % 61 == 0, about 1 / 61 of the pairs
+    held = sum(common.is_heldout(a, b) for a in range(100, 1000) for b in range(100, 1000, 7))
+    assert abs(held / (900 * 129) - 1 / 61) < 0.002
+
+
+def test_addition_solution_hand_checked():
+    # 478 + 365: 8+5 = 13 (write 3, carry 1); 7+6+1 = 14 (write 4, carry 1); 4+3+1 = 8 -> 843
+    assert common.addition_solution(478, 365) == "8+5+0=13 7+6+1=14 4+3+1=8 \\boxed{843}"
+    # without carries every carry is written 0: 13 -> 3, 13 -> 3, 7 -> 733 (the habit RL has to fix)
+    assert common.addition_solution(478, 365, carries=False) == "8+5+0=13 7+6+0=13 4+3+0=7 \\boxed{733}"
+    # a final carry becomes the leading digit: 999 + 999 = 1998
+    assert common.addition_solution(999, 999) == "9+9+0=18 9+9+1=19 9+9+1=19 \\boxed{1998}"
+    # no carries at all: both ways agree
+    assert common.addition_solution(123, 456) == common.addition_solution(123, 456, carries=False) \
+        == "3+6+0=9 2+5+0=7 1+4+0=5 \\boxed{579}"
+    rng = random.Random(0)
+    for _ in range(200):
+        a, b = rng.randint(100, 999), rng.randint(100, 999)
+        assert common.verify(common.addition_solution(a, b), str(a + b)) == 1.0
+
+
+def test_step_rows_is_a_function_of_the_step():
+    rows = list(range(10))
+    first = common.step_rows(rows, 3, 4, seed=0)
+    for step in (0, 7, 1):
+        common.step_rows(rows, step, 4, seed=0)
+    assert common.step_rows(rows, 3, 4, seed=0) == first  # no hidden state
+    # 5 steps of 4 = 20 positions = two passes over the 10 rows, each a permutation
+    picked = [row for step in range(5) for row in common.step_rows(rows, step, 4, seed=0)]
+    assert sorted(picked[:10]) == rows and sorted(picked[10:]) == rows
+    assert picked[:10] != picked[10:]  # a fresh shuffle per pass
+    assert picked[:10] != rows  # shuffled
+    other_seed = [row for step in range(5) for row in common.step_rows(rows, step, 4, seed=1)]
+    assert other_seed != picked
+
+
+# ----------------------------------------------------------------------------------------------
+# pass@k.
+# ----------------------------------------------------------------------------------------------
+def test_pass_at_k_closed_form():
+    # n = 4, c = 1, k = 2: 1 - C(3, 2) / C(4, 2) = 1 - 3 / 6 = 0.5
+    assert common.pass_at_k(4, 1, 2) == pytest.approx(0.5)
+    assert common.pass_at_k(4, 0, 2) == 0.0 and common.pass_at_k(4, 4, 1) == 1.0
+    assert common.pass_at_k(4, 3, 2) == 1.0  # any 2 of 4 contain a correct one
+    for n in range(1, 9):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                expected = 1 - math.comb(n - c, k) / math.comb(n, k)
+                assert common.pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12), (n, c, k)
+            assert common.pass_at_k(n, c, 1) == pytest.approx(c / n)
+
+
+class ScriptedGenerator:
+    """A rollout engine that returns prepared (text, finish_reason) samples, n per prompt, in order."""
+
+    def __init__(self, samples):
+        self.samples = samples
+
+    def generate(self, prompts, n=1, max_tokens=256, temperature=1.0, top_p=1.0):
+        assert len(self.samples) == len(prompts) * n
+        return [common.Completion(i // n, [1, 2, 3], text, [-0.1] * 3, reason)
+                for i, (text, reason) in enumerate(self.samples)]
+
+
+def test_evaluate_avg_and_pass_at_k_hand_computed(tiny):
+    _, tokenizer = tiny
+    rows = [{"question": "1+1", "answer": "2"}, {"question": "2+2", "answer": "4"}]
+    right, wrong = "\\boxed{2}", "\\boxed{3}"
+    samples = [(wrong, "stop"), (right, "stop"), (wrong, "stop"), (wrong, "stop"),  # prompt 0: 1 of 4
+               ("\\boxed{4}", "stop"), ("\\boxed{4}", "stop"), ("\\boxed{4}", "length"), ("\\boxed{4}", "stop")]
+    # prompt 1: 4 right answers, but one was cut off at the length limit and scores 0 -> 3 of 4
+    metrics = common.evaluate(ScriptedGenerator(samples), tokenizer, {"toy": rows}, n=4)
+    assert metrics["eval/toy/avg@4"] == pytest.approx((1 + 3) / 8)
+    assert metrics["eval/accuracy"] == metrics["eval/toy/avg@4"]
+    assert metrics["eval/toy/pass@1"] == pytest.approx(0.5)  # pass@1 = avg@n
+    # pass@2: prompt 0: 1 - C(3,2)/C(4,2) = 0.5; prompt 1: 1 - C(1,2)/C(4,2) = 1 -> 0.75
+    assert metrics["eval/toy/pass@2"] == pytest.approx(0.75)
+    assert metrics["eval/toy/pass@4"] == pytest.approx(1.0)
+    assert metrics["eval/toy/truncated"] == pytest.approx(1 / 8)
+
+
+# ----------------------------------------------------------------------------------------------
+# Batching.
+# ----------------------------------------------------------------------------------------------
+def test_sequence_batch_and_select_hand_built():
+    # prompts [5, 6] and [7]; responses [8, 1] and [9, 9, 1]; pad 0
+    batch = common.sequence_batch([[5, 6], [7]], [[8, 1], [9, 9, 1]], pad_id=0)
+    assert batch.input_ids.tolist() == [[5, 6, 8, 1, 0], [0, 7, 9, 9, 1]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 0], [0, 1, 1, 1, 1]]
+    assert batch.position_ids[:, :4].tolist() == [[0, 1, 2, 3], [0, 0, 1, 2]]  # from each row's first real token
+    assert batch.response_ids.tolist() == [[8, 1, 0], [9, 9, 1]]
+    assert batch.response_mask.tolist() == [[True, True, False], [True, True, True]]
+    first = batch.select([0])  # no left padding, response width 2
+    assert first.input_ids.tolist() == [[5, 6, 8, 1]] and first.response_ids.tolist() == [[8, 1]]
+    second = batch.select([1])  # the left pad column goes
+    assert second.input_ids.tolist() == [[7, 9, 9, 1]] and second.position_ids.tolist() == [[0, 1, 2, 3]]
+    empty = common.sequence_batch([[5]], [[]], pad_id=0)  # an empty response keeps one masked column
+    assert empty.response_width == 1 and not empty.response_mask.any()
+
+
+# ----------------------------------------------------------------------------------------------
+# The tiny model and the HF rollout engine.
+# ----------------------------------------------------------------------------------------------
+def test_tiny_model_is_a_real_checkpoint(tiny_path, tiny):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert os.path.exists(os.path.join(tiny_path, name)), name
+    model = AutoModelForCausalLM.from_pretrained(tiny_path)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    assert model.config.model_type == "qwen3"
+    assert 400_000 < sum(p.numel() for p in model.parameters()) < 600_000
+    assert tokenizer.pad_token_id != tokenizer.eos_token_id
+    loaded, _ = tiny
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
+
+
+def test_tiny_model_greedy_heldout_accuracy(tiny):
+    model, tokenizer = tiny
+    eval_sets = common.load_eval_sets("builtin", 256)
+    assert len(eval_sets["builtin"]) == 256
+    metrics = common.evaluate(common.HFGenerator(model, tokenizer), tokenizer, eval_sets, n=1, max_tokens=48,
+                              temperature=0.0)
+    assert 0.10 <= metrics["eval/accuracy"] <= 0.40, metrics
+    assert metrics["eval/accuracy"] == metrics["eval/builtin/avg@1"]
+
+
+def engine_and_trainer_logprobs(model, tokenizer, completions, prompts, temperature):
+    batch = common.sequence_batch([prompts[c.prompt_index] for c in completions], [c.token_ids for c in completions],
+                                  tokenizer.pad_token_id)
+    with torch.no_grad():
+        trainer = common.response_logprobs(model, batch, temperature)
+    engine = torch.zeros_like(trainer)
+    for row, completion in enumerate(completions):
+        engine[row, :len(completion.logprobs)] = torch.tensor(completion.logprobs)
+    return engine[batch.response_mask], trainer[batch.response_mask]
+
+
+PROMPT_QUESTIONS = ["478+365", "5+7", "123+456", "640+99"]  # different lengths: the engine pads on the left
+
+
+def test_hf_generator_completions(tiny):
+    model, tokenizer = tiny
+    prompts = [common.prompt_ids(tokenizer, q) for q in PROMPT_QUESTIONS]
+    torch.manual_seed(0)
+    completions = common.HFGenerator(model, tokenizer).generate(prompts, n=2, max_tokens=48, temperature=1.0)
+    assert [c.prompt_index for c in completions] == [0, 0, 1, 1, 2, 2, 3, 3]
+    eos = tokenizer.eos_token_id
+    stopped = [c for c in completions if c.finish_reason == "stop"]
+    assert stopped, "the tiny model should stop within 48 tokens"
+    for c in completions:
+        assert len(c.logprobs) == len(c.token_ids) and all(lp <= 0 for lp in c.logprobs)
+        assert "<|endoftext|>" not in c.text and c.text == tokenizer.decode(c.token_ids, skip_special_tokens=True)
+    for c in stopped:
+        assert c.token_ids[-1] == eos and eos not in c.token_ids[:-1]
+    model.eval()
+    cut = common.HFGenerator(model, tokenizer).generate(prompts, n=1, max_tokens=5, temperature=0.0)
+    assert all(c.finish_reason == "length" and len(c.token_ids) == 5 and len(c.logprobs) == 5 for c in cut)
+    assert eos not in [t for c in cut for t in c.token_ids]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_engine_logprobs_equal_trainer_logprobs(tiny, temperature):
+    model, tokenizer = tiny
+    prompts = [common.prompt_ids(tokenizer, q) for q in PROMPT_QUESTIONS]
+    torch.manual_seed(1)
+    completions = common.HFGenerator(model, tokenizer).generate(prompts, n=2, max_tokens=48, temperature=temperature,
+                                                                top_p=1.0)
+    engine, trainer = engine_and_trainer_logprobs(model, tokenizer, completions, prompts, temperature)
+    assert engine.numel() > 100
+    assert (engine - trainer).abs().max().item() < 1e-4
+
+
+def test_engine_logprobs_with_top_p_are_of_the_truncated_distribution(tiny):
+    # top-p renormalizes over the nucleus, so each sampled token's engine log-prob >= the full distribution's
+    model, tokenizer = tiny
+    prompts = [common.prompt_ids(tokenizer, q) for q in PROMPT_QUESTIONS]
+    torch.manual_seed(2)
+    completions = common.HFGenerator(model, tokenizer).generate(prompts, n=2, max_tokens=48, temperature=1.0, top_p=0.5)
+    engine, trainer = engine_and_trainer_logprobs(model, tokenizer, completions, prompts, 1.0)
+    assert (engine >= trainer - 1e-5).all()
+    assert (engine - trainer).max().item() > 1e-3  # and it does differ somewhere
+
+
+# ----------------------------------------------------------------------------------------------
+# Run directories and checkpoints.
+# ----------------------------------------------------------------------------------------------
+def test_checkpoint_round_trip(tmp_path, tiny_path):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_path)
+    _, tokenizer = common.load_model("tiny", device="cpu")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(input_ids=torch.tensor([[5, 6, 7]]), labels=torch.tensor([[5, 6, 7]])).loss.backward()
+    optimizer.step()
+    for step in (1, 2, 3):
+        path = common.save_checkpoint(str(tmp_path), step, {"policy": model}, {"policy": optimizer}, tokenizer, keep=2)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_000002", "step_000003"]
+    expected_draw = torch.rand(3)  # the RNG state was saved before this draw
+
+    restored = AutoModelForCausalLM.from_pretrained(tiny_path)
+    restored_optimizer = torch.optim.AdamW(restored.parameters(), lr=1e-3)
+    assert common.load_checkpoint(str(tmp_path), {"policy": restored}, {"policy": restored_optimizer}) == 3  # latest
+    assert torch.equal(torch.rand(3), expected_draw)
+    saved, loaded = model.state_dict(), restored.state_dict()
+    assert all(torch.equal(saved[k], loaded[k]) for k in saved)
+    assert restored_optimizer.state_dict()["state"][0]["step"] == 1
+    assert AutoModelForCausalLM.from_pretrained(os.path.join(path, "policy")).config.model_type == "qwen3"
+    with pytest.raises(common.UserError, match="not a checkpoint"):
+        common.load_checkpoint(str(tmp_path / "checkpoints"), {"policy": restored}, {})
+
+
+def test_run_directory_refuses_to_reuse_a_run(tmp_path):
+    args = types.SimpleNamespace(resume="", run_name="r1", output_dir=str(tmp_path), model="tiny", seed=0)
+    path = common.run_directory(args, "grpo.py")
+    assert path == os.path.join(str(tmp_path), "r1")
+    os.makedirs(path)
+    open(os.path.join(path, "metrics.jsonl"), "w").close()
+    with pytest.raises(common.UserError, match="--resume"):
+        common.run_directory(args, "grpo.py")
+    resumed = dataclasses.replace(grpo.Args(), resume=os.path.join(path, "checkpoints", "step_000002"), run_name="")
+    assert common.run_directory(resumed, "grpo.py") == os.path.abspath(path)

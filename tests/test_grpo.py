@@ -1,0 +1,345 @@
+"""Tests for grpo.py: group advantages, the PPO-clip loss and its aggregation modes (hand-computed), the
+micro-batch invariance of the loss on the tiny model, the gradient on the generated EOS, and the refusals."""
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import common
+import grpo
+
+
+# ----------------------------------------------------------------------------------------------
+# Group advantages. torch.std is the unbiased (n - 1) estimator, as in TRL and verl.
+# ----------------------------------------------------------------------------------------------
+def test_group_advantages_two_groups_of_two():
+    # groups [1, 0] and [0, 1]: mean 0.5, centered +-0.5, std = sqrt((0.25 + 0.25) / 1) = 0.70711
+    # -> A = +-0.5 / 0.70711 = +-0.70711
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    expected = torch.tensor([0.70711, -0.70711, -0.70711, 0.70711])
+    assert torch.allclose(grpo.group_advantages(rewards, 2, "group"), expected, atol=1e-5)
+
+
+def test_group_advantages_one_group_of_four():
+    # one group [1, 0, 0, 1]: mean 0.5, centered +-0.5, std = sqrt(4 * 0.25 / 3) = 0.57735 -> A = +-0.86603
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    expected = torch.tensor([0.86603, -0.86603, -0.86603, 0.86603])
+    assert torch.allclose(grpo.group_advantages(rewards, 4, "group"), expected, atol=1e-5)
+
+
+def test_group_advantages_batch_and_none_scales():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    # batch: centered per group (+-0.5), divided by the std of all four rewards, sqrt(1/3) = 0.57735 -> +-0.86603
+    expected = torch.tensor([0.86603, -0.86603, -0.86603, 0.86603])
+    assert torch.allclose(grpo.group_advantages(rewards, 2, "batch"), expected, atol=1e-5)
+    # none (Dr. GRPO): centered only
+    assert torch.allclose(grpo.group_advantages(rewards, 2, "none"), torch.tensor([0.5, -0.5, -0.5, 0.5]))
+    assert torch.allclose(grpo.group_advantages(rewards, 4, "none"), torch.tensor([0.5, -0.5, -0.5, 0.5]))
+
+
+def test_group_and_batch_scales_differ_when_groups_differ():
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    # group 1: mean 0.75, centered [.25, .25, .25, -.75], std = sqrt((3 * .0625 + .5625) / 3) = 0.5
+    #   -> [0.5, 0.5, 0.5, -1.5]; group 2 all equal -> 0
+    group = torch.tensor([0.5, 0.5, 0.5, -1.5, 0.0, 0.0, 0.0, 0.0])
+    assert torch.allclose(grpo.group_advantages(rewards, 4, "group"), group, atol=1e-5)
+    # batch std: mean 0.375, squared deviations 3 * 0.625^2 + 5 * 0.375^2 = 1.875, / 7 -> std 0.517549
+    batch = torch.tensor([0.25, 0.25, 0.25, -0.75, 0, 0, 0, 0]) / 0.517549
+    assert torch.allclose(grpo.group_advantages(rewards, 4, "batch"), batch, atol=1e-5)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_equal_rewards_give_zero_advantage_and_no_nan(scale):
+    for rewards in (torch.ones(8), torch.zeros(8), torch.tensor([1.0, 1.0, 0.0, 0.0])):
+        advantages = grpo.group_advantages(rewards, 2 if len(rewards) == 4 else 4, scale)
+        assert torch.isfinite(advantages).all()
+        assert torch.equal(advantages, torch.zeros_like(advantages))
+
+
+def test_group_of_one_and_uneven_groups_are_refused():
+    with pytest.raises(ValueError, match="at least 2"):
+        grpo.group_advantages(torch.tensor([1.0, 0.0]), 1)
+    with pytest.raises(ValueError, match="groups of 4"):
+        grpo.group_advantages(torch.ones(6), 4)
+
+
+def test_samples_per_prompt_one_is_a_one_line_cli_error(run_cli):
+    result = run_cli("grpo.py", "--samples-per-prompt", "1", timeout=60)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr  # one line, and nothing printed by a model load before it
+    assert "--samples-per-prompt" in lines[0] and "Traceback" not in result.stderr
+
+
+def test_bad_resume_path_is_refused_before_any_model_loads(tmp_path, run_cli):
+    missing = tmp_path / "no_run" / "checkpoints" / "step_000002"
+    result = run_cli("grpo.py", "--resume", missing, "--output-dir", tmp_path, timeout=60)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--resume" in lines[0], result.stderr  # no model-loading output before it
+    assert not (tmp_path / "no_run").exists()  # and no run directory made for it
+
+
+# ----------------------------------------------------------------------------------------------
+# aggregate: a 2 x 3 example.  losses [[1, 2, 3], [4, 5, 6]], mask [[1, 1, 0], [1, 0, 0]]
+# ----------------------------------------------------------------------------------------------
+LOSSES = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+MASK = torch.tensor([[True, True, False], [True, False, False]])
+
+
+def test_aggregate_token_mean():
+    # valid tokens 1, 2, 4: (1 + 2 + 4) / 3
+    assert grpo.aggregate(LOSSES, MASK, "token-mean").item() == pytest.approx(7 / 3)
+    # a micro-batch divides by the mini-batch's token count: 7 / 7
+    assert grpo.aggregate(LOSSES, MASK, "token-mean", num_tokens=7).item() == pytest.approx(1.0)
+
+
+def test_aggregate_seq_mean():
+    # row means (1 + 2) / 2 = 1.5 and 4 / 1 = 4; mean over rows 2.75; over 4 sequences (1.5 + 4) / 4
+    assert grpo.aggregate(LOSSES, MASK, "seq-mean").item() == pytest.approx(2.75)
+    assert grpo.aggregate(LOSSES, MASK, "seq-mean", num_sequences=4).item() == pytest.approx(5.5 / 4)
+
+
+def test_aggregate_sum_max_len():
+    # sum 7 / (2 sequences * 3 columns); with max_length 4: 7 / 8; 4 sequences, max_length 10: 7 / 40
+    assert grpo.aggregate(LOSSES, MASK, "sum-max-len").item() == pytest.approx(7 / 6)
+    assert grpo.aggregate(LOSSES, MASK, "sum-max-len", max_length=4).item() == pytest.approx(7 / 8)
+    assert grpo.aggregate(LOSSES, MASK, "sum-max-len", num_sequences=4, max_length=10).item() == pytest.approx(7 / 40)
+
+
+def test_aggregate_unknown_mode_and_empty_mask():
+    with pytest.raises(ValueError, match="unknown aggregation"):
+        grpo.aggregate(LOSSES, MASK, "mean")
+    empty = torch.zeros_like(MASK)
+    for mode in ("token-mean", "seq-mean", "sum-max-len"):
+        assert grpo.aggregate(LOSSES, empty, mode).item() == 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# policy_loss: PPO-clip, hand-computed per token (clip 0.2 / 0.2, token-mean).
+# ----------------------------------------------------------------------------------------------
+#   t  ratio  A    -A r    -A clip(r)   max     clipped?  d loss / d logp (token-mean over 5)
+#   0  1.5   +1   -1.5    -1.2         -1.2    yes       0
+#   1  0.5   -1   +0.5    +0.8         +0.8    yes       0
+#   2  1.1   +1   -1.1    -1.1         -1.1    no        -1.1 / 5 = -0.22
+#   3  0.5   +1   -0.5    -0.8         -0.5    no        -0.5 / 5 = -0.10   (below the range, but A > 0)
+#   4  1.5   -1   +1.5    +1.2         +1.5    no        +1.5 / 5 = +0.30   (above the range, but A < 0)
+#   5  3.0   +1   (masked out: must not count)
+# loss = (-1.2 + 0.8 - 1.1 - 0.5 + 1.5) / 5 = -0.1; clip_fraction = 2 / 5
+RATIOS = [1.5, 0.5, 1.1, 0.5, 1.5, 3.0]
+ADVANTAGES = [1.0, -1.0, 1.0, 1.0, -1.0, 1.0]
+VALID = [True, True, True, True, True, False]
+
+
+def clip_case(clip_low=0.2, clip_high=0.2, aggregation="token-mean"):
+    old = torch.tensor([[-1.0] * 6])
+    logprobs = (old + torch.log(torch.tensor([RATIOS]))).requires_grad_(True)
+    loss, clip_fraction = grpo.policy_loss(logprobs, old, torch.tensor([ADVANTAGES]), torch.tensor([VALID]),
+                                           clip_low, clip_high, aggregation)
+    loss.backward()
+    return loss.item(), clip_fraction.item(), logprobs.grad[0]
+
+
+def test_policy_loss_hand_computed():
+    loss, clip_fraction, grad = clip_case()
+    assert loss == pytest.approx(-0.1, abs=1e-6)
+    assert clip_fraction == pytest.approx(0.4)
+    assert torch.allclose(grad, torch.tensor([0.0, 0.0, -0.22, -0.10, 0.30, 0.0]), atol=1e-6)
+
+
+def test_policy_loss_clips_both_sides():
+    _, _, grad = clip_case()
+    assert grad[0] == 0  # ratio 1.5 > 1 + 0.2 with A > 0: no push further up
+    assert grad[1] == 0  # ratio 0.5 < 1 - 0.2 with A < 0: no push further down
+    assert grad[2] != 0  # inside the range
+    assert grad[5] == 0  # masked token
+
+
+def test_policy_loss_clip_higher():
+    # clip_high 0.28 (DAPO): token 0's clipped value is -1.28, so the loss drops by 0.08 / 5; still clipped
+    loss, clip_fraction, grad = clip_case(clip_high=0.28)
+    assert loss == pytest.approx(-0.1 - 0.08 / 5, abs=1e-6)
+    assert clip_fraction == pytest.approx(0.4) and grad[0] == 0
+    # ratio 1.25 with A > 0 is clipped at 1.2 but not at 1.28
+    old = torch.zeros(1, 1)
+    for clip_high, clipped in ((0.2, True), (0.28, False)):
+        logprobs = torch.full((1, 1), math.log(1.25), requires_grad=True)
+        loss, fraction = grpo.policy_loss(logprobs, old, torch.ones(1, 1), torch.ones(1, 1, dtype=torch.bool),
+                                          0.2, clip_high)
+        loss.backward()
+        assert fraction.item() == float(clipped)
+        assert (logprobs.grad.item() == 0) == clipped
+        assert loss.item() == pytest.approx(-1.2 if clipped else -1.25)
+
+
+def test_policy_loss_at_ratio_one_is_minus_advantage():
+    # first update of a rollout: logprobs == old, ratio 1, loss = mean(-A), gradient -A / tokens
+    logprobs = torch.tensor([[-0.5, -2.0], [-1.0, -3.0]], requires_grad=True)
+    advantages = torch.tensor([[2.0, 2.0], [-1.0, -1.0]])
+    mask = torch.tensor([[True, True], [True, False]])
+    loss, clip_fraction = grpo.policy_loss(logprobs, logprobs.detach(), advantages, mask)
+    loss.backward()
+    assert loss.item() == pytest.approx((-2 - 2 + 1) / 3)
+    assert clip_fraction.item() == 0.0
+    assert torch.allclose(logprobs.grad, torch.tensor([[-2 / 3, -2 / 3], [1 / 3, 0.0]]))
+
+
+def test_k3_kl_hand_computed():
+    # logp = log 0.5, ref = log 0.25: log_ratio = ln 0.5 = -0.693147; exp(-0.693147) + 0.693147 - 1 = 0.193147
+    kl = grpo.k3_kl(torch.tensor([math.log(0.5), -1.0]), torch.tensor([math.log(0.25), -1.0]))
+    assert torch.allclose(kl, torch.tensor([0.193147, 0.0]), atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# The loss of a mini-batch must not depend on how it is split into micro-batches (tiny model).
+# ----------------------------------------------------------------------------------------------
+QUESTIONS = ["478+365", "12+5", "999+999", "1+1", "305+217", "7+80", "640+123", "55+44"]
+RESPONSES = ["8+5+0=13 7+6+1=14 4+3+1=8 \\boxed{843}", "2+5+0=7 \\boxed{17}", "9+9+0=18 9+9+1=19 9+9+1=19 \\boxed{1998}",
+             "1+1+0=2", "5+7+0=12 0+1+1=2 3+2+0=5 \\boxed{522}", "7+0+0=7 \\boxed{87", "0+3+0=3 4+2+0=6 6+1+0=7 \\boxed{763}",
+             "5+4+0=9 5+4+0=9 \\boxed{99}"]
+
+
+def training_batch(tokenizer):
+    """8 rollouts of different prompt and response lengths; even rows end in EOS, odd rows are cut off."""
+    prompts = [common.prompt_ids(tokenizer, q) for q in QUESTIONS]
+    responses = [tokenizer(r, add_special_tokens=False)["input_ids"] + ([tokenizer.eos_token_id] if i % 2 == 0 else [])
+                 for i, r in enumerate(RESPONSES)]
+    return common.sequence_batch(prompts, responses, tokenizer.pad_token_id)
+
+
+def accumulate(model, batch, old_logprobs, advantages, mini_batch, micro_batch_size, aggregation, max_length,
+               pass_counts=True):
+    """One mini-batch's loss and gradient, accumulated over micro-batches exactly as grpo.main does."""
+    model.zero_grad(set_to_none=True)
+    mask = batch.response_mask
+    counts = dict(num_sequences=len(mini_batch), num_tokens=int(mask[mini_batch].sum()), max_length=max_length)
+    total = 0.0
+    for micro in common.chunks(mini_batch, micro_batch_size):
+        micro_batch = batch.select(micro)
+        width = micro_batch.response_width
+        logprobs = common.response_logprobs(model, micro_batch)
+        loss, _ = grpo.policy_loss(logprobs, old_logprobs[micro, :width], advantages[micro, :width],
+                                   micro_batch.response_mask, 0.2, 0.2, aggregation, **(counts if pass_counts else {}))
+        loss.backward()
+        total += loss.item()
+    grads = [p.grad.detach().clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return total, grads
+
+
+@pytest.fixture(scope="module")
+def rollout(tiny):
+    model, tokenizer = tiny
+    batch = training_batch(tokenizer)
+    with torch.no_grad():
+        current = common.response_logprobs(model, batch)
+    noise = torch.rand(current.shape, generator=torch.Generator().manual_seed(0)) * 0.8 - 0.4
+    old_logprobs = current + noise  # ratios exp(-0.4) .. exp(0.4): some tokens clip, some do not
+    advantages = grpo.group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0]), 4)
+    return batch, old_logprobs, advantages[:, None].expand_as(old_logprobs)
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean", "sum-max-len"])
+def test_loss_and_gradient_do_not_depend_on_the_micro_batch_split(tiny, rollout, aggregation):
+    model, _ = tiny
+    batch, old_logprobs, advantages = rollout
+    mini_batch = [5, 2, 7, 0, 3, 6, 1, 4]  # shuffled, as grpo.main's randperm
+    results = {size: accumulate(model, batch, old_logprobs, advantages, mini_batch, size, aggregation, 48)
+               for size in (8, 4, 2)}  # 1, 2 and 4 micro-batches
+    loss, grads = results[8]
+    assert abs(loss) > 1e-4 and any(g.abs().max() > 1e-6 for g in grads)
+    for size in (4, 2):
+        assert results[size][0] == pytest.approx(loss, rel=1e-5, abs=1e-7), size
+        for reference, other in zip(grads, results[size][1]):
+            assert torch.allclose(other, reference, rtol=1e-4, atol=1e-7), size
+    # the test can fail: micro-batches normalizing by their own counts give another loss
+    unscaled, _ = accumulate(model, batch, old_logprobs, advantages, mini_batch, 2, aggregation, 48, pass_counts=False)
+    assert unscaled != pytest.approx(loss, rel=1e-3)
+
+
+def test_micro_batch_select_keeps_the_logprobs(tiny, rollout):
+    # the log-probs of a trimmed micro-batch equal the full batch's, column for column
+    model, _ = tiny
+    batch = rollout[0]
+    with torch.no_grad():
+        full = common.response_logprobs(model, batch)
+        for rows in ([1], [3, 5], [0, 2, 4]):
+            micro = batch.select(rows)
+            part = common.response_logprobs(model, micro)
+            assert micro.response_width == int(batch.response_mask[rows].sum(1).max())
+            assert torch.allclose(part[micro.response_mask], full[rows, :micro.response_width][micro.response_mask],
+                                  atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# The generated EOS is a trained token; padding is not.
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("same_pad_and_eos", [False, True])
+def test_generated_eos_gets_gradient_and_padding_none(tiny, same_pad_and_eos):
+    model, tokenizer = tiny
+    eos = tokenizer.eos_token_id
+    pad = eos if same_pad_and_eos else tokenizer.pad_token_id
+    assert tokenizer.pad_token_id != eos  # the tokenizer itself never pads with EOS
+    short = tokenizer("1+2+0=3 \\boxed{3}", add_special_tokens=False)["input_ids"] + [eos]
+    long = tokenizer("8+5+0=13 7+6+1=14 4+3+1=8 \\boxed{843}", add_special_tokens=False)["input_ids"] + [eos]
+    prompts = [common.prompt_ids(tokenizer, "1+2"), common.prompt_ids(tokenizer, "478+365")]
+    batch = common.sequence_batch(prompts, [short, long], pad)
+    n = len(short)
+    assert batch.response_ids[0, n - 1] == eos and batch.response_mask[0, n - 1]
+    assert not batch.response_mask[0, n:].any() and (batch.response_ids[0, n:] == pad).all()
+    assert batch.response_mask[1].all()
+
+    captured = []
+
+    def keep_logits(module, inputs, output):
+        output.retain_grad()
+        captured.append(output)
+
+    hook = model.get_output_embeddings().register_forward_hook(keep_logits)
+    try:
+        logprobs = common.response_logprobs(model, batch)
+    finally:
+        hook.remove()
+    advantages = torch.tensor([[1.0], [-1.0]]).expand_as(logprobs)
+    loss, _ = grpo.policy_loss(logprobs, logprobs.detach(), advantages, batch.response_mask)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    logits_grad = captured[0].grad  # [2, T + 1, V]: column t predicts response token t
+    assert logits_grad.shape[1] == batch.response_width + 1
+    row_norms = logits_grad.abs().sum(-1)
+    assert row_norms[0, n - 1] > 0  # the EOS of the short response
+    assert row_norms[1, len(long) - 1] > 0  # the EOS of the long one
+    assert torch.all(row_norms[0, n:] == 0)  # padding after the short response, and the unused last column
+    assert torch.all(row_norms[1, len(long):] == 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Argument checks before anything loads.
+# ----------------------------------------------------------------------------------------------
+def test_check_args_refuses_uneven_splits():
+    args = common.parse_args(grpo.Args, grpo.TINY_PRESET, [])
+    grpo.check_args(args)  # the demo settings: 16 x 8 = 128 samples, 2 mini-batches of one micro-batch of 64
+    with pytest.raises(common.UserError, match="samples-per-prompt"):
+        grpo.check_args(dataclasses.replace(args, samples_per_prompt=1))
+    with pytest.raises(common.UserError, match="mini-batches"):
+        grpo.check_args(dataclasses.replace(args, mini_batches=3))  # 128 / 3
+    with pytest.raises(common.UserError, match="micro-batches"):
+        grpo.check_args(dataclasses.replace(args, micro_batch_size=48))  # 64 / 48
+
+
+def test_check_args_accepts_a_micro_batch_larger_than_the_mini_batch():
+    # --prompts-per-step 4 with the tiny preset (micro-batch 64): mini-batches of 16 are one micro-batch each.
+    # This is the documented end-to-end recipe (`--steps 2 --prompts-per-step 4 ...`).
+    args = common.parse_args(grpo.Args, grpo.TINY_PRESET, ["--prompts-per-step", "4"])
+    grpo.check_args(args)
+
+
+def test_grpo_args_tiny_preset_and_published_defaults():
+    tiny = common.parse_args(grpo.Args, grpo.TINY_PRESET, [])
+    assert (tiny.model, tiny.steps, tiny.lr, tiny.eval_n, tiny.eval_temperature) == ("tiny", 60, 1e-4, 1, 0.0)
+    real = common.parse_args(grpo.Args, grpo.TINY_PRESET, ["--model", "Qwen3-4B-Base"])
+    # published settings (METHODS.md): 64 prompts x 8 samples, lr 1e-6, clip 0.2/0.2, 2 steps per rollout, 8192
+    assert (real.steps, real.prompts_per_step, real.samples_per_prompt, real.lr) == (500, 64, 8, 1e-6)
+    assert (real.clip_low, real.clip_high, real.mini_batches, real.max_response_tokens) == (0.2, 0.2, 2, 8192)
+    assert (real.temperature, real.grad_clip, real.kl_coef, real.aggregation) == (1.0, 1.0, 0.0, "token-mean")

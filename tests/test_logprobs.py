@@ -1,0 +1,207 @@
+"""Per-token log-probs (common.token_logprobs, response_logprobs, engine_logprobs) and token-budget micro-batches
+(common.token_budget_chunks, micro_batches, batched)."""
+import math
+import random
+
+import pytest
+import torch
+
+import common
+
+LN2 = math.log(2.0)
+
+
+def naive_logprobs(logits, tokens, temperature=1.0):
+    return (logits.double() / temperature).log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)
+
+
+# ------------------------------------------------------------------------------------------------
+# token_logprobs: values and gradients
+# ------------------------------------------------------------------------------------------------
+def test_token_logprobs_hand_computed():
+    # z = [0, 0, ln 2]: exp(z) = 1, 1, 2, sum 4 -> log p = ln 1/4, ln 1/4, ln 1/2.
+    # z / 0.5 = [0, 0, 2 ln 2]: exp = 1, 1, 4, sum 6 -> log p_2 = ln 4/6 = ln 2/3, log p_0 = ln 1/6.
+    logits = torch.tensor([[0.0, 0.0, LN2], [0.0, 0.0, LN2]])
+    tokens = torch.tensor([2, 0])
+    assert torch.allclose(common.token_logprobs(logits, tokens), torch.tensor([math.log(0.5), math.log(0.25)]))
+    assert torch.allclose(common.token_logprobs(logits, tokens, temperature=0.5),
+                          torch.tensor([math.log(2 / 3), math.log(1 / 6)]))
+
+
+def test_token_logprobs_gradient_hand_computed():
+    # d log p_y / d z_j = (1[j = y] - p_j) / T.
+    # T = 1, y = 2, p = (1/4, 1/4, 1/2): (-1/4, -1/4, 1/2).
+    # T = 0.5, y = 0, p = (1/6, 1/6, 2/3): (5/6, -1/6, -2/3) / 0.5 = (5/3, -1/3, -4/3).
+    logits = torch.tensor([[0.0, 0.0, LN2]], requires_grad=True)
+    common.token_logprobs(logits, torch.tensor([2])).sum().backward()
+    assert torch.allclose(logits.grad, torch.tensor([[-0.25, -0.25, 0.5]]))
+    logits.grad = None
+    common.token_logprobs(logits, torch.tensor([0]), temperature=0.5).sum().backward()
+    assert torch.allclose(logits.grad, torch.tensor([[5 / 3, -1 / 3, -4 / 3]]))
+
+
+@pytest.mark.parametrize("chunk_elements", [1, 22, 10 ** 6])  # one row per chunk, 2 rows (11 chunks), one chunk
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_match_naive_across_chunks(chunk_elements, temperature):
+    torch.manual_seed(0)
+    logits = (torch.randn(3, 7, 11, dtype=torch.float64) * 3).requires_grad_()
+    tokens = torch.randint(0, 11, (3, 7))
+    upstream = torch.randn(3, 7, dtype=torch.float64)
+    ours = common.token_logprobs(logits, tokens, temperature, chunk_elements=chunk_elements)
+    (our_grad,) = torch.autograd.grad((ours * upstream).sum(), logits)
+    reference = naive_logprobs(logits, tokens, temperature)
+    (reference_grad,) = torch.autograd.grad((reference * upstream).sum(), logits)
+    assert ours.dtype == torch.float32 and ours.shape == (3, 7)
+    assert torch.allclose(ours.double(), reference, atol=1e-5)
+    assert torch.allclose(our_grad, reference_grad, atol=1e-6)
+
+
+def test_token_logprobs_bfloat16_logits():
+    torch.manual_seed(0)
+    logits = (torch.randn(5, 13) * 4).to(torch.bfloat16).requires_grad_()
+    tokens = torch.randint(0, 13, (5,))
+    ours = common.token_logprobs(logits, tokens)
+    assert ours.dtype == torch.float32  # computed in float32 from the bfloat16 values
+    assert torch.allclose(ours.double(), naive_logprobs(logits.detach(), tokens), atol=1e-5)
+    ours.sum().backward()
+    assert logits.grad.dtype == torch.bfloat16
+
+
+def test_token_logprobs_minus_inf_entries():
+    # Processed generate scores mark top-p-filtered tokens -inf: row [-inf, 0, 0] -> log p_1 = ln 1/2.
+    scores = torch.tensor([[-math.inf, 0.0, 0.0]])
+    assert torch.allclose(common.token_logprobs(scores, torch.tensor([1])), torch.tensor([-LN2]))
+
+
+def test_token_logprobs_non_contiguous_logits():
+    torch.manual_seed(0)
+    wide = torch.randn(4, 6, 20)
+    logits = wide[:, :, ::2]  # a strided view
+    tokens = torch.randint(0, 10, (4, 6))
+    assert torch.allclose(common.token_logprobs(logits, tokens).double(), naive_logprobs(logits, tokens), atol=1e-5)
+
+
+def test_token_logprobs_save_no_float32_copy_for_backward():
+    # The naive path saves a float32 [N, V] log-softmax for backward; ours saves only the (bfloat16) logits,
+    # the tokens and one logsumexp per row.
+    logits = torch.randn(8, 50).to(torch.bfloat16).requires_grad_()
+    tokens = torch.randint(0, 50, (8,))
+    saved = []
+
+    def pack(tensor):
+        saved.append((tensor.dtype, tensor.numel()))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        common.token_logprobs(logits, tokens)
+    assert (torch.float32, 8 * 50) not in saved
+    assert (torch.bfloat16, 8 * 50) in saved
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        naive_logprobs(logits.float(), tokens)  # sanity: the hook does see the naive copy
+    assert any(numel == 8 * 50 and dtype != torch.bfloat16 for dtype, numel in saved)
+
+
+def test_token_logprobs_empty():
+    assert common.token_logprobs(torch.zeros(0, 7), torch.zeros(0, dtype=torch.long)).shape == (0,)
+
+
+# ------------------------------------------------------------------------------------------------
+# response_logprobs on the tiny model; generator log-probs against the trainer's
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny():
+    return common.load_model("tiny", "float32", "cpu")
+
+
+def test_response_logprobs_match_naive_and_gradients(tiny):
+    model, tokenizer = tiny
+    batch = common.sequence_batch([[5, 6, 7], [8, 9]], [[10, 11, 1], [12]], tokenizer.pad_token_id)
+    ours = common.response_logprobs(model, batch, temperature=0.8)
+    (ours * batch.response_mask).sum().backward()
+    our_grad = model.model.norm.weight.grad.clone()
+    model.zero_grad()
+    logits = model(**batch.model_inputs()).logits[:, -batch.response_width - 1:-1]
+    reference = (logits / 0.8).log_softmax(-1).gather(-1, batch.response_ids[..., None]).squeeze(-1)
+    (reference * batch.response_mask).sum().backward()
+    assert torch.allclose(ours[batch.response_mask], reference[batch.response_mask], atol=1e-5)
+    assert torch.allclose(our_grad, model.model.norm.weight.grad, atol=1e-5)
+    model.zero_grad()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_hf_generator_logprobs_match_trainer(tiny, temperature):
+    model, tokenizer = tiny
+    torch.manual_seed(0)
+    prompts = [common.prompt_ids(tokenizer, q) for q in ("123+456", "907+88")]
+    completions = common.HFGenerator(model, tokenizer).generate(prompts, 2, 24, temperature, 1.0)
+    batch = common.sequence_batch([prompts[c.prompt_index] for c in completions], [c.token_ids for c in completions],
+                                  tokenizer.pad_token_id)
+    with torch.no_grad():
+        trainer = common.response_logprobs(model, batch, temperature)
+    engine = common.engine_logprobs(completions, batch.response_width)
+    assert (engine - trainer)[batch.response_mask].abs().max() < 1e-4
+
+
+def test_engine_logprobs_pads_with_zero():
+    completions = [common.Completion(0, [4, 5], "", [-0.5, -1.5], "stop"),
+                   common.Completion(0, [6], "", [-2.0], "length")]
+    assert torch.equal(common.engine_logprobs(completions, 3), torch.tensor([[-0.5, -1.5, 0.0], [-2.0, 0.0, 0.0]]))
+
+
+# ------------------------------------------------------------------------------------------------
+# token_budget_chunks / micro_batches / batched
+# ------------------------------------------------------------------------------------------------
+def test_token_budget_chunks_hand_computed():
+    # Longest first: 0 (5), 2 (4), 4 (3), 1 (2), 3 (1); budget 8 tokens = rows x longest.
+    # [0]: adding 2 gives 2 x 5 = 10 > 8 -> close. [2, 4]: 2 x 4 = 8; adding 1 gives 3 x 4 = 12 -> close.
+    # [1, 3]: 2 x 2 = 4.
+    lengths = {0: 5, 1: 2, 2: 4, 3: 1, 4: 3}
+    assert common.token_budget_chunks([0, 1, 2, 3, 4], lengths, 8) == [[0], [2, 4], [1, 3]]
+
+
+def test_token_budget_chunks_row_over_budget_goes_alone():
+    assert common.token_budget_chunks([0, 1, 2], [10, 3, 3], 8) == [[0], [1, 2]]
+
+
+def test_token_budget_chunks_prompt_response_pairs():
+    # Pairs (prompt, response): the width is longest prompt + longest response. All three rows have 6 tokens.
+    # Budget 12: [0] (5, 1); with 1 the width is (5, 5) = 10, 2 x 10 = 20 -> close; [1] (1, 5); with 2 (3, 5) = 8,
+    # 2 x 8 = 16 -> close; [2]. Budget 16: the second pair fits.
+    lengths = [(5, 1), (1, 5), (3, 3)]
+    assert common.token_budget_chunks([0, 1, 2], lengths, 12) == [[0], [1], [2]]
+    assert common.token_budget_chunks([0, 1, 2], lengths, 16) == [[0], [1, 2]]
+
+
+def test_token_budget_chunks_bound_the_selected_batch():
+    rng = random.Random(0)
+    prompts = [[7] * rng.randint(1, 9) for _ in range(40)]
+    responses = [[8] * rng.randint(0, 30) for _ in range(40)]
+    batch = common.sequence_batch(prompts, responses, pad_id=0)
+    rows = list(range(3, 40))  # a subset, like a mini-batch
+    for budget in (40, 64, 200):
+        groups = common.token_budget_chunks(rows, batch.lengths(), budget)
+        assert sorted(i for group in groups for i in group) == rows
+        for group in groups:
+            assert len(group) == 1 or batch.select(group).input_ids.numel() <= budget
+        totals = [sum(batch.lengths()[i]) for group in groups for i in group]
+        assert totals == sorted(totals, reverse=True)
+
+
+def test_micro_batches_by_count_or_by_budget():
+    assert common.micro_batches([4, 5, 6], None, 2) == [[4, 5], [6]]
+    assert common.micro_batches([4, 5, 6], {4: 1, 5: 3, 6: 2}, 2, max_tokens=4) == [[5], [6, 4]]
+
+
+def test_batched_same_values_with_a_token_budget(tiny):
+    model, tokenizer = tiny
+    rng = random.Random(1)
+    prompts = [[rng.randint(4, 90) for _ in range(rng.randint(2, 8))] for _ in range(6)]
+    responses = [[rng.randint(4, 90) for _ in range(rng.randint(1, 12))] for _ in range(6)]
+    batch = common.sequence_batch(prompts, responses, tokenizer.pad_token_id)
+    function = lambda micro: common.response_logprobs(model, micro)  # noqa: E731
+    by_count = common.batched(function, batch, micro_batch_size=2)
+    by_budget = common.batched(function, batch, micro_batch_size=2, max_tokens=30)
+    mask = batch.response_mask  # values past each response's end are undefined (pad-token log-probs or 0)
+    assert torch.allclose(by_count[mask], by_budget[mask], atol=1e-5)
+    assert torch.allclose(by_budget[mask], common.response_logprobs(model, batch)[mask].detach(), atol=1e-5)

@@ -1,0 +1,108 @@
+"""Tests for ppo.py: GAE, whitening, terminal rewards and the clipped value loss against hand-computed values,
+and a 2-step end-to-end run on the tiny model."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import ppo  # noqa: E402
+
+# Two responses: row 0 has 3 valid tokens and R = 1; row 1 has 2 valid tokens and R = 0, its padding value 9 is junk.
+MASK = torch.tensor([[True, True, True], [True, True, False]])
+VALUES = torch.tensor([[0.5, 0.2, 0.8], [0.4, 0.6, 9.0]])
+REWARDS = torch.tensor([1.0, 0.0])
+
+
+def test_terminal_rewards_put_r_on_the_last_valid_token():
+    token_rewards = ppo.terminal_rewards(REWARDS, MASK)
+    assert token_rewards.tolist() == [[0, 0, 1], [0, 0, 0]]
+    token_rewards = ppo.terminal_rewards(torch.tensor([1.0, 1.0]), MASK)
+    assert token_rewards.tolist() == [[0, 0, 1], [0, 1, 0]]  # row 1 ends at t = 1, not at the padded column
+    empty = torch.tensor([[False, False]])  # an empty response gets no reward anywhere
+    assert ppo.terminal_rewards(torch.tensor([1.0]), empty).tolist() == [[0, 0]]
+
+
+def test_gae_lambda_one_by_hand():
+    advantages, returns = ppo.gae(ppo.terminal_rewards(REWARDS, MASK), VALUES, MASK, gamma=1.0, lam=1.0)
+    # lambda = 1: A_t = R - V_t. Row 0: 1 - [0.5, 0.2, 0.8]; row 1: 0 - [0.4, 0.6], padding 0.
+    assert torch.allclose(advantages, torch.tensor([[0.5, 0.8, 0.2], [-0.4, -0.6, 0.0]]))
+    assert torch.allclose(returns, torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]))
+
+
+def test_gae_lambda_half_by_hand():
+    advantages, returns = ppo.gae(ppo.terminal_rewards(REWARDS, MASK), VALUES, MASK, gamma=1.0, lam=0.5)
+    # Row 0: delta_2 = 1 - 0.8 = 0.2, delta_1 = 0.8 - 0.2 = 0.6, delta_0 = 0.2 - 0.5 = -0.3;
+    #   A_2 = 0.2, A_1 = 0.6 + 0.5 * 0.2 = 0.7, A_0 = -0.3 + 0.5 * 0.7 = 0.05; G = A + V = [0.55, 0.9, 1.0].
+    # Row 1: no value after the last valid token (the junk 9 is ignored): delta_1 = 0 - 0.6 = -0.6,
+    #   delta_0 = 0.6 - 0.4 = 0.2; A_1 = -0.6, A_0 = 0.2 + 0.5 * -0.6 = -0.1; G = [0.3, 0.0].
+    assert torch.allclose(advantages, torch.tensor([[0.05, 0.7, 0.2], [-0.1, -0.6, 0.0]]))
+    assert torch.allclose(returns, torch.tensor([[0.55, 0.9, 1.0], [0.3, 0.0, 0.0]]))
+
+
+def test_gae_discount_by_hand():
+    advantages, returns = ppo.gae(ppo.terminal_rewards(REWARDS, MASK), VALUES, MASK, gamma=0.9, lam=1.0)
+    # Row 0: delta_2 = 0.2, delta_1 = 0.9 * 0.8 - 0.2 = 0.52, delta_0 = 0.9 * 0.2 - 0.5 = -0.32;
+    #   A_2 = 0.2, A_1 = 0.52 + 0.9 * 0.2 = 0.7, A_0 = -0.32 + 0.9 * 0.7 = 0.31; returns gamma^(T-1-t) R.
+    assert torch.allclose(advantages[0], torch.tensor([0.31, 0.7, 0.2]))
+    assert torch.allclose(returns[0], torch.tensor([0.81, 0.9, 1.0]))
+
+
+def test_gae_gamma_lambda_one_gives_r_minus_v_everywhere():
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([1, 7, 4, 9, 9, 2])
+    mask = torch.arange(9)[None, :] < lengths[:, None]
+    values = torch.rand(6, 9, generator=generator)
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0])
+    advantages, returns = ppo.gae(ppo.terminal_rewards(rewards, mask), values, mask)
+    assert torch.allclose(advantages, (rewards[:, None] - values) * mask, atol=1e-6)
+    assert torch.allclose(returns, rewards[:, None] * mask, atol=1e-6)
+
+
+def test_whiten_uses_valid_tokens_only():
+    values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 100.0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    # valid: 1..5, mean 3, unbiased std sqrt(10 / 4); the 100 on padding takes no part and reads 0.
+    expected = torch.tensor([[-2.0, -1.0, 0.0], [1.0, 2.0, 0.0]]) / math.sqrt(2.5)
+    assert torch.allclose(ppo.whiten(values, mask), expected, atol=1e-6)
+
+
+def test_value_loss_clips_around_old_values_by_hand():
+    values = torch.tensor([[0.5, 0.5, 0.0]])
+    old_values = torch.tensor([[0.1, 0.4, 0.0]])
+    returns = torch.tensor([[1.0, 1.0, 0.0]])
+    mask = torch.tensor([[True, True, False]])
+    # t=0: v_clip = 0.1 + 0.2 = 0.3, max((0.5-1)^2, (0.3-1)^2) = 0.49; t=1: v_clip = v, 0.25. Mean: 0.37.
+    assert ppo.value_loss(values, old_values, returns, mask, clip=0.2).item() == pytest.approx(0.37)
+    # Micro-batches given the mini-batch's token count add up to the mini-batch loss.
+    halves = [ppo.value_loss(values[:, s], old_values[:, s], returns[:, s], mask[:, s], 0.2, num_tokens=2)
+              for s in (slice(0, 1), slice(1, 3))]
+    assert sum(h.item() for h in halves) == pytest.approx(0.37)
+
+
+def run_trainer(script, tmp_path, name, *extra):
+    """Run `script` for 2 steps on the tiny model; returns the metrics.jsonl records."""
+    command = [sys.executable, os.path.join(ROOT, script), "--steps", "2", "--prompts-per-step", "4",
+               "--eval-problems", "16", "--micro-batch-size", "16", "--run-name", name, "--output-dir", str(tmp_path), *extra]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(os.path.join(tmp_path, name, "metrics.jsonl")) as handle:
+        return [json.loads(line) for line in handle]
+
+
+def test_ppo_two_steps_end_to_end(tmp_path):
+    records = run_trainer("ppo.py", tmp_path, "e2e_ppo")
+    assert [r["step"] for r in records] == [0, 1]
+    for record in records:
+        assert 0.0 <= record["eval/accuracy"] <= 1.0  # evaluated at the first and the last step
+        assert 0.0 <= record["reward"] <= 1.0
+        for key in ("policy_loss", "value_loss", "grad_norm", "critic_grad_norm", "approx_kl"):
+            assert math.isfinite(record[key]), key
+        assert record["value_loss"] > 0 and record["skipped_updates"] == 0
+    assert records[0]["approx_kl"] > 1e-5  # the second mini-batch sees an updated actor

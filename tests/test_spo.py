@@ -1,0 +1,191 @@
+"""Tests for spo.py: cutpoints, chain advantages, the probability mask and its whitening, tree values and edge
+advantages, the Monte Carlo estimator and the tree sampler on a scripted rollout engine, and 2-step runs."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import common  # noqa: E402
+import spo  # noqa: E402
+
+# 14 tokens; p < 0.9 at positions 1, 3, 4, 6, 7, 9, 10, 11, 12, 13 (0.9 itself is not low).
+PROBS = torch.tensor([0.95, 0.5, 0.99, 0.3, 0.8, 0.9, 0.2, 0.6, 0.99, 0.1, 0.5, 0.4, 0.7, 0.85])
+
+
+def test_cutpoints_interval_1_and_5():
+    # interval 1: a cut just before every low-probability token -> positions - 1.
+    assert spo.cutpoints(PROBS, 0.9, 1) == [0, 2, 3, 5, 6, 8, 9, 10, 11, 12]
+    # interval 5: before the 5th (position 7) and 10th (position 13) low-probability tokens.
+    assert spo.cutpoints(PROBS, 0.9, 5) == [6, 12]
+    # interval 2: the 2nd, 4th, ... (positions 3, 6, 9, 11, 13).
+    assert spo.cutpoints(PROBS, 0.9, 2) == [2, 5, 8, 10, 12]
+
+
+def test_cutpoints_edge_cases():
+    # a low first token would cut at -1, the prompt state, which is always a border: left out.
+    assert spo.cutpoints(torch.tensor([0.5, 0.95, 0.5]), 0.9, 1) == [1]
+    assert spo.cutpoints(torch.tensor([0.95, 0.99]), 0.9, 1) == []  # a sure response has no cutpoint
+    assert spo.cutpoints(torch.tensor([0.5, 0.5, 0.5, 0.5]), 0.9, 5) == []  # fewer low tokens than the interval
+    assert spo.cutpoints(torch.tensor([]), 0.9, 1) == []  # empty response
+
+
+def test_chain_advantages_hand_computed():
+    # Row 0: R = 1, V(-1) = 0.5, cuts [2, 5] with V = [0.25, 0.75], 8 valid tokens of 9 columns:
+    #   tokens 0..2: 0.25 - 0.5 = -0.25; tokens 3..5: 0.75 - 0.25 = 0.5; tokens 6..7: 1 - 0.75 = 0.25; pad 0.
+    # Row 1: no cutpoint -> all 0. Row 2: R = 0, V(-1) = 0.5, one cut at 0 with V = 1:
+    #   token 0: 1 - 0.5 = 0.5; tokens 1..3: 0 - 1 = -1.
+    mask = torch.tensor([[True] * 8 + [False], [True] * 9, [True] * 4 + [False] * 5])
+    advantages = spo.chain_advantages(torch.tensor([1.0, 1.0, 0.0]), torch.tensor([0.5, 0.5, 0.5]),
+                                      [[2, 5], [], [0]], [[0.25, 0.75], [], [1.0]], mask)
+    expected = torch.tensor([[-0.25] * 3 + [0.5] * 3 + [0.25] * 2 + [0.0],
+                             [0.0] * 9,
+                             [0.5] + [-1.0] * 3 + [0.0] * 5])
+    assert torch.allclose(advantages, expected)
+    # the segment advantages telescope: one token from each segment adds up to R - V(-1)
+    assert advantages[0, [0, 3, 6]].sum().item() == pytest.approx(1.0 - 0.5)
+
+
+def test_probability_mask_and_whitening_over_masked_tokens():
+    probs = torch.tensor([[0.95, 0.5, 0.89, 0.9, 0.2], [0.1, 0.99, 0.3, 0.3, 0.3]])
+    mask = torch.tensor([[True, True, True, True, False], [True, True, True, False, False]])
+    low = spo.probability_mask(probs.log(), mask, 0.9)
+    # p < 0.9 and valid: 0.5, 0.89 in row 0 (0.9 is not low; 0.2 is padding); 0.1, 0.3 in row 1.
+    assert low.tolist() == [[False, True, True, False, False], [True, False, True, False, False]]
+    advantages = torch.tensor([[100.0, 1.0, 3.0, 100.0, 100.0], [1.0, -50.0, 3.0, 7.0, 7.0]])
+    whitened = spo.masked_whiten(advantages, low)
+    # statistics of the masked values [1, 3, 1, 3] only: mean 2, unbiased std sqrt(4/3); 0 outside the mask.
+    scale = math.sqrt(4 / 3)
+    expected = torch.tensor([[0.0, -1 / scale, 1 / scale, 0.0, 0.0], [-1 / scale, 0.0, 1 / scale, 0.0, 0.0]])
+    assert torch.allclose(whitened, expected, atol=1e-6)
+
+
+def test_tree_values_and_edge_advantages_two_levels():
+    # Two prompts. Tree of root 0: children 1, 2, 3 (3 stopped at level 1, reward 1);
+    # 1 -> leaves 5 (1), 6 (0); 2 -> leaves 7 (0), 8 (0). Tree of root 4: one leaf 9 (reward 1).
+    # V(1) = 0.5, V(2) = 0, V(3) = 1, V(0) = (0.5 + 0 + 1) / 3 = 0.5; V(4) = V(9) = 1.
+    parents = [-1, 0, 0, 0, -1, 1, 1, 2, 2, 4]
+    rewards = [0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0]
+    values = spo.tree_values(parents, rewards)
+    assert values == pytest.approx([0.5, 0.5, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0])
+    # edges: 1: 0.5 - 0.5 = 0 (dropped), 2: -0.5, 3: +0.5, 5: +0.5, 6: -0.5, 7 and 8: 0, 9: 0; roots 0.
+    assert spo.edge_advantages(parents, values) == pytest.approx([0, 0, -0.5, 0.5, 0, 0.5, -0.5, 0, 0, 0])
+
+
+def test_all_rewards_equal_give_no_nan():
+    mask = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
+    for reward in (0.0, 1.0):
+        rewards = torch.full((2,), reward)
+        advantages = spo.chain_advantages(rewards, rewards, [[1, 3], []], [[reward, reward], []], mask)
+        assert torch.equal(advantages, torch.zeros(2, 6))
+        for loss_mask in (mask, torch.zeros_like(mask), torch.eye(2, 6, dtype=torch.bool)):  # many, none, one each
+            whitened = spo.masked_whiten(advantages, loss_mask)
+            logprobs = torch.full((2, 6), -0.3)
+            loss, clip_fraction = spo.policy_loss(logprobs, logprobs, whitened, loss_mask)
+            assert torch.equal(whitened, torch.zeros(2, 6)) and torch.isfinite(loss) and torch.isfinite(clip_fraction)
+        values = spo.tree_values([-1, 0, 0, 1, 1], [0.0, 0.0, reward, reward, reward])
+        assert spo.edge_advantages([-1, 0, 0, 1, 1], values) == [0.0] * 5
+    # one masked token only: no std to divide by, the value is kept (never NaN)
+    single = spo.masked_whiten(torch.tensor([[0.7, 5.0]]), torch.tensor([[True, False]]))
+    assert torch.equal(single, torch.tensor([[0.7, 0.0]]))
+
+
+class CharTokenizer:
+    """Token id = character code; 0 is the EOS and is dropped when decoding."""
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids if i != 0)
+
+
+def encode(text):
+    return [ord(c) for c in text]
+
+
+class ScriptedGenerator:
+    """Sample i of every request continues with script[i] (+ EOS), cut at max_tokens like a real engine."""
+    def __init__(self, script):
+        self.script, self.calls = script, []
+
+    def generate(self, prompts, n=1, max_tokens=256, temperature=1.0, top_p=1.0):
+        self.calls.append((prompts, n, max_tokens))
+        out = []
+        for index, _ in enumerate(prompts):
+            for i in range(n):
+                tokens = encode(self.script[i]) + ([0] if not self.script[i].endswith("*") else [])
+                finished = len(tokens) <= max_tokens and tokens[-1] == 0
+                tokens = tokens[:max_tokens]
+                out.append(common.Completion(index, tokens, CharTokenizer().decode(tokens), [0.0] * len(tokens),
+                                             "stop" if finished else "length"))
+        return out
+
+
+def test_monte_carlo_values_dedupes_and_scores():
+    # K = 3 continuations: "\boxed{7}" + EOS (10 tokens), "\boxed{8}" + EOS, and an endless "z..." ("*": no EOS).
+    generator = ScriptedGenerator(["\\boxed{7}", "\\boxed{8}", "z" * 40 + "*"])
+    prompt = encode("Q")
+    requests = [(prompt, encode("ab"), "7"), (prompt, encode("ab"), "7"), (prompt, encode("abcdefgh"), "7")]
+    values, tokens = spo.monte_carlo_values(generator, CharTokenizer(), requests, 3, 16, 0.6, 1.0)
+    # one engine call, one request per unique prefix (2), n = K, the largest budget 16 - 2 = 14
+    assert len(generator.calls) == 1
+    assert generator.calls[0][0] == [prompt + encode("ab"), prompt + encode("abcdefgh")]
+    assert generator.calls[0][1:] == (3, 14)
+    # prefix "ab" (budget 14): 7 correct, 8 wrong, z truncated -> 1/3.
+    # prefix "abcdefgh" (budget 8): the 10-token answers do not fit -> 0.
+    assert values == pytest.approx([1 / 3, 1 / 3, 0.0])
+    # tokens within budget: prefix "ab": 10 + 10 + 14; prefix "abcdefgh": 8 + 8 + 8.
+    assert tokens == 34 + 24
+    assert spo.monte_carlo_values(generator, CharTokenizer(), [], 3, 16, 0.6, 1.0) == ([], 0)
+
+
+def test_grow_tree_on_a_scripted_engine():
+    # branching 2: child 0 answers "\boxed{7}" + EOS (10 tokens), child 1 writes "z"s without stopping.
+    # depth 2, segments of 12, max 40: level 1 = [leaf 1 (reward 1), open node 2 ("z" * 12)];
+    # level 2 (runs to completion, budget 28) under node 2: leaf 3 = "zzz...\boxed{7}" (reward 1), leaf 4 truncated (0).
+    generator = ScriptedGenerator(["\\boxed{7}", "z" * 100 + "*"])
+    tree = spo.grow_tree(generator, CharTokenizer(), [encode("Q")], ["7"], depth=2, branching=2,
+                         segment_tokens=12, max_tokens=40, temperature=0.6, top_p=1.0)
+    assert tree.parents == [-1, 0, 0, 2, 2]
+    assert tree.rewards == [0.0, 1.0, 0.0, 1.0, 0.0]
+    assert tree.prefixes[3] == encode("z" * 12) and tree.prefixes[1] == []
+    assert [call[1:] for call in generator.calls] == [(2, 12), (2, 28)]
+    assert generator.calls[1][0] == [encode("Q") + encode("z" * 12)]
+    values = spo.tree_values(tree.parents, tree.rewards)  # V(2) = 0.5, V(0) = (1 + 0.5) / 2 = 0.75
+    assert spo.edge_advantages(tree.parents, values) == pytest.approx([0, 0.25, -0.25, 0.5, -0.5])
+    # with max_tokens 12 the open node has no budget left: it is a truncated leaf, the tree stops at level 1
+    generator = ScriptedGenerator(["\\boxed{7}", "z" * 100 + "*"])
+    tree = spo.grow_tree(generator, CharTokenizer(), [encode("Q")], ["7"], 2, 2, 12, 12, 0.6, 1.0)
+    assert tree.parents == [-1, 0, 0] and tree.rewards == [0.0, 1.0, 0.0] and len(generator.calls) == 1
+
+
+def run_two_steps(tmp_path, name, *flags):
+    command = [sys.executable, os.path.join(ROOT, "spo.py"), "--steps", "2", "--prompts-per-step", "4",
+               "--eval-problems", "16", "--run-name", name, "--output-dir", str(tmp_path), *flags]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    records = [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
+    assert [r["step"] for r in records] == [0, 1] and "eval/accuracy" in records[0] and "eval/accuracy" in records[1]
+    for record in records:
+        assert all(math.isfinite(v) for v in record.values()), record
+    return records
+
+
+def test_chain_two_steps_end_to_end(tmp_path):
+    for record in run_two_steps(tmp_path, "e2e_spo_chain", "--micro-batch-size", "16"):
+        # 4 prompts x 8 samples: the policy's tokens are 32 x the mean response length
+        assert record["policy_tokens"] == pytest.approx(32 * record["response_length"])
+        assert record["mc_tokens"] >= 0 and record["mc_tokens"] == int(record["mc_tokens"])
+        # interval 1 in the tiny preset: one cutpoint per low-probability token, minus cuts at -1
+        assert record["cutpoints_per_response"] <= record["low_probability_tokens"]
+
+
+def test_tree_two_steps_end_to_end(tmp_path):
+    for record in run_two_steps(tmp_path, "e2e_spo_tree", "--mode", "tree", "--tree-branching", "2"):
+        assert 2 <= record["tree_leaves"] <= 8  # branching 2, depth 3
+        assert 0 < record["edges_kept"] <= 1
+        # the leaves' mean reward over 4 prompts x tree_leaves leaves
+        assert record["reward"] * 4 * record["tree_leaves"] == pytest.approx(round(record["reward"] * 4 * record["tree_leaves"]))

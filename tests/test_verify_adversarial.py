@@ -1,0 +1,179 @@
+"""Answer checking under hostile model output: every response is scored within 2 s of wall time (a timeout
+scores 0 and is counted), nothing crashes, nothing is evaluated as code. Prints the worst time measured."""
+import os
+import signal
+import time
+
+import pytest
+
+import common
+
+BOUND_S = 2.0  # the issue's bound per response, worst case, waiting for a checker included
+
+
+@pytest.fixture(scope="module")
+def warm_pool():
+    """Start the checker once (the one-time start is not charged to a response) and report its cost."""
+    start = time.monotonic()
+    assert common.verify("\\boxed{\\frac{1}{2}}", "0.5") == 1.0  # 1/2 = 0.5, decided by math-verify in a worker
+    common._VERIFIER.cold_start_s = time.monotonic() - start
+    common.pop_verify_timeouts()
+    return common._VERIFIER
+
+
+def timed_verify(response, gold):
+    start = time.monotonic()
+    score = common.verify(response, gold)
+    return score, time.monotonic() - start
+
+
+# (name, response, gold, expected score or None when only the bound matters)
+MILLION = 1_000_000
+CORPUS = [
+    ("nested braces, 1e5 deep", "\\boxed{" + "{" * 100_000 + "1" + "}" * 100_000 + "}", "1", 0.0),
+    ("nested braces, 450 deep", "\\boxed{" + "{" * 450 + "1" + "}" * 450 + "}", "1", None),
+    ("nested fractions, 100 deep", "\\boxed{" + "\\frac{1}{" * 100 + "2" + "}" * 100 + "}", "1", None),
+    ("1e6 chars, answer at the end", "a" * (MILLION - 9) + "\\boxed{5}", "5", 1.0),
+    ("1e6 chars, no answer", "x" * MILLION, "5", 0.0),
+    ("1e6 chars of unclosed \\boxed{", "\\boxed{" * (MILLION // 7), "5", 0.0),
+    ("\\boxed{ never closed, then 1e6 chars", "\\boxed{5" + "y" * MILLION, "5", 0.0),
+    ("1e6 chars of }", "}" * MILLION, "5", 0.0),
+    ("125000 empty \\boxed{}", "\\boxed{}" * (MILLION // 8), "5", 0.0),
+    ("111111 \\boxed{5}", "\\boxed{5}" * (MILLION // 9), "5", 1.0),
+    ("tower 9^9^9^9^9", "\\boxed{9^{9^{9^{9^{9}}}}}", "1", 0.0),
+    ("tower 10^10^10^10", "\\boxed{10^{10^{10^{10}}}}", "7", 0.0),
+    ("tower of 2s", "\\boxed{" + "2^{" * 12 + "2" + "}" * 12 + "}", "3", 0.0),
+    ("factorial of 10^10", "\\boxed{(10^{10})!}", "5", 0.0),
+    ("binomial of 10^9", "\\boxed{\\binom{10^{9}}{10^{8}}}", "5", 0.0),
+    ("expansion (x+1)^10000 vs x", "\\boxed{(x+1)^{10000}-(x-1)^{10000}}", "x", 0.0),
+    ("symbolic tower x^x^x^x", "\\boxed{x^{x^{x^{x^{x}}}}}", "x^{x^{x}}", 0.0),
+    ("sum to 10^9", "\\boxed{\\sum_{n=1}^{10^{9}} n^{n}}", "5", 0.0),
+    ("huge integer, 999 digits", "\\boxed{" + "9" * 999 + "}", "1", 0.0),
+    ("huge integer, 1001 digits (too long)", "\\boxed{" + "9" * 1001 + "}", "1", 0.0),
+    ("huge equal integers, 40 digits", "\\boxed{" + "9" * 40 + "}", "9" * 40, 1.0),
+    ("integers equal as floats only", "\\boxed{123456789012345678901}", "123456789012345678902", 0.0),
+    ("control characters", "\\boxed{\x00\x01\x07\x1b[31m5\x7f}", "5", None),
+    ("unicode: rtl, emoji, lone surrogate", "\\boxed{\u202e5\U0001F600\ud800\u2028}", "5", None),
+    ("unicode digits", "\\boxed{\u0665}", "5", 1.0),  # ARABIC-INDIC DIGIT FIVE: Decimal reads it as 5
+    ("a lot of LaTeX commands", "\\boxed{" + "\\sqrt{" * 100 + "2" + "}" * 100 + "}", "2", None),
+    ("python code", "\\boxed{__import__('os').system('touch /tmp/rl_reasoning_pwned')}", "0", 0.0),
+    ("sympy code", "\\boxed{Symbol('x').__class__.__mro__[-1].__subclasses__()}", "0", 0.0),
+    ("matrix of 20x20", "\\boxed{\\begin{pmatrix}" + "\\\\".join(["&".join(["x"] * 20)] * 20) + "\\end{pmatrix}}",
+     "1", 0.0),
+    ("correct symbolic after the hostile ones", "so \\boxed{\\dfrac{\\sqrt{3}}{2}}", "\\frac{\\sqrt3}{2}", 1.0),
+]
+
+
+def test_adversarial_corpus_is_bounded(warm_pool, capsys):
+    if os.path.exists("/tmp/rl_reasoning_pwned"):
+        os.remove("/tmp/rl_reasoning_pwned")
+    rows, worst = [], (0.0, "")
+    for name, response, gold, expected in CORPUS:
+        score, seconds = timed_verify(response, gold)
+        assert score in (0.0, 1.0), name
+        if expected is not None:
+            assert score == expected, name
+        assert seconds < BOUND_S, f"{name}: {seconds:.2f} s"
+        rows.append(f"  {seconds:6.3f} s  score {score:.0f}  {name}")
+        worst = max(worst, (seconds, name))
+    assert warm_pool.checker is not None  # the last killed checker was replaced
+    assert children(warm_pool.zygote[0].pid) == [warm_pool.checker[0]]  # killed ones reaped, none leaked
+    assert not os.path.exists("/tmp/rl_reasoning_pwned")  # model text was never run
+    with capsys.disabled():
+        print("\nadversarial corpus, wall time per response (2 shared CPU cores: inflated):\n" + "\n".join(rows))
+        print(f"WORST VERIFICATION TIME: {worst[0]:.3f} s ({worst[1]}); bound {BOUND_S} s; one-time checker start "
+              f"{getattr(warm_pool, 'cold_start_s', 0.0):.2f} s (not charged to a response)")
+
+
+def test_hostile_in_a_row_then_correct(warm_pool):
+    """Each hostile response costs one timeout and one killed checker; the answer right after still gets a warm
+    checker within its own budget (no false 0 from a checker still starting up)."""
+    common.pop_verify_timeouts()
+    for _ in range(4):
+        score, seconds = timed_verify("\\boxed{9^{9^{9^{9^{9}}}}}", "1")
+        assert score == 0.0 and seconds < BOUND_S
+    assert common.pop_verify_timeouts() == 4  # each one counted
+    for response, gold in [("\\boxed{2x+1}", "1+2x"), ("\\boxed{\\frac{3}{4}}", "0.75"), ("\\boxed{(1,2]}", "(1,2]")]:
+        score, seconds = timed_verify(response, gold)
+        assert score == 1.0 and seconds < BOUND_S, (response, seconds)
+    assert common.pop_verify_timeouts() == 0
+
+
+def test_timeouts_reach_rollout_metrics(warm_pool):
+    import torch
+    common.pop_verify_timeouts()
+    assert common.verify("\\boxed{9^{9^{9^{9^{9}}}}}", "1") == 0.0
+    completion = common.Completion(0, [5, 6], "ab", [-0.5, -0.25], "stop")
+    metrics = common.rollout_metrics([completion], torch.tensor([0.0]), torch.tensor([[-0.5, -0.25]]),
+                                     torch.tensor([[True, True]]))
+    assert metrics["verify_timeouts"] == 1
+    assert common.pop_verify_timeouts() == 0  # reported once, then reset
+
+
+def test_checkers_ignore_ctrl_c(warm_pool):
+    """Ctrl-C reaches every process of the terminal's group; the trainer handles it, the checkers keep working."""
+    assert common.verify("\\boxed{x+1}", "1+x") == 1.0
+    pids = [warm_pool.zygote[0].pid, warm_pool.checker[0]]
+    for pid in pids:
+        os.kill(pid, signal.SIGINT)
+    time.sleep(0.5)
+    assert common.verify("\\boxed{x+1}", "1+x") == 1.0
+    assert [warm_pool.zygote[0].pid, warm_pool.checker[0]] == pids  # neither was replaced
+
+
+def children(pid):
+    """Live child processes of `pid` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("\\boxed{843}", "843"),
+    ("a \\boxed{1} b \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),  # the last one, braces balanced
+    ("\\boxed{12} then \\boxed{34", "12"),  # an unclosed last \boxed{: the one before it
+    ("\\boxed{12} then \\boxed{\\frac{1}{2", None),  # the last one has a } after it but never closes
+    ("<think>\\boxed{1}</think> \\boxed{2}", "2"),
+    ("<think>\\boxed{1}</think> no box", None),
+    ("\\boxed{ 7 }", "7"),
+    ("\\boxed{" + "1" * 1000 + "}", "1" * 1000),
+    ("\\boxed{" + "1" * 1001 + "}", None),  # longer than MAX_ANSWER_CHARS
+    ("}}}} \\boxed{", None),
+    ("", None),
+])
+def test_extract_answer(text, expected):
+    assert common.extract_answer(text) == expected
+
+
+@pytest.mark.parametrize("text", [
+    "\\boxed{" * (MILLION // 7),
+    "{" * MILLION,
+    "}" * MILLION,
+    "\\boxed{" + "{" * MILLION,
+    ("\\boxed{1}" + "x" * 1000) * (MILLION // 1009),
+    "</think>" * (MILLION // 8),
+])
+def test_extract_answer_is_linear(text):
+    start = time.monotonic()
+    common.extract_answer(text)
+    assert time.monotonic() - start < 0.5  # about 10 ms unloaded; the old scan was quadratic here
+
+
+def test_plain_numbers_exact():
+    # Decided in-process, exactly: decimals, thousands separators; floats would call these equal.
+    assert common.verify("\\boxed{1,000}", "1000") == 1.0
+    assert common.verify("\\boxed{-3.50}", "-3.5") == 1.0
+    assert common.verify("\\boxed{$5}", "5") == 1.0
+    assert common._plain_number("1,2") is None  # a pair, not one thousand two hundred
+    assert common._plain_number("12,34") is None
+    assert common._plain_number("1" * 51) is None  # left to math-verify
+    assert common.verify("\\boxed{123456789012345678901}", "123456789012345678902") == 0.0
+    assert common.verify("\\boxed{5}", None) == 0.0
+    assert common.verify("no box", "5") == 0.0
