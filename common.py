@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 CACHE_DIR = os.path.expanduser(os.environ.get("RL_REASONING_CACHE", "~/.cache/rl-reasoning"))
-TINY_MODEL_VERSION = "tiny-v2"  # bump when build_tiny_model changes, so stale caches are not reused
+TINY_MODEL_VERSION = "tiny-v2"
+TINY_SHAPE = (128, 2, 100)  # hidden size, layers, vocabulary of the built-in tiny model  # bump when build_tiny_model changes, so stale caches are not reused
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
@@ -59,11 +60,11 @@ def parse_args(args_class, tiny_preset=None, argv=None):
     source = inspect.getsource(args_class)
     helps = dict(re.findall(r"^\s+(\w+):[^\n#]*#\s*(.*)$", source, flags=re.M))
     hints = typing.get_type_hints(args_class)
-    parser = _OneLineParser(description=(args_class.__doc__ or "").strip(),
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = _OneLineParser(description=(args_class.__doc__ or "").strip())
     for field in dataclasses.fields(args_class):
         flag, kind = "--" + field.name.replace("_", "-"), hints[field.name]
-        options = dict(dest=field.name, help=helps.get(field.name, ""), default=argparse.SUPPRESS)
+        default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+        options = dict(dest=field.name, help=f"{helps.get(field.name, '')} [default: {default}]".replace("%", "%%"), default=argparse.SUPPRESS)
         if kind is bool:
             options["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(kind) is typing.Literal:
@@ -76,10 +77,44 @@ def parse_args(args_class, tiny_preset=None, argv=None):
     given = vars(parser.parse_args(argv))
     values = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
               for f in dataclasses.fields(args_class)}
-    if given.get("model", values["model"]) == "tiny":
+    if is_tiny_model(given.get("model", values["model"])):
         values.update(tiny_preset or {})
     values.update({name: tuple(v) if isinstance(v, list) else v for name, v in given.items()})
-    return args_class(**values)
+    args = args_class(**values)
+    check_ranges(args)
+    return args
+
+
+def is_tiny_model(name):
+    """`tiny`, or a checkpoint of it (its config has the built-in model's shape): such runs take the tiny preset."""
+    config_path = os.path.join(name, "config.json")
+    if name == "tiny" or not os.path.exists(config_path):
+        return name == "tiny"
+    with open(config_path) as handle:
+        config = json.load(handle)
+    return (config.get("hidden_size"), config.get("num_hidden_layers"), config.get("vocab_size")) == TINY_SHAPE
+
+
+POSITIVE_SIZES = ("prompts_per_step", "samples_per_prompt", "mini_batches", "epochs", "micro_batch_size", "eval_n",
+                  "keep_checkpoints", "max_skipped_updates", "max_response_tokens", "eval_max_tokens")
+
+
+def check_ranges(args):
+    """Refuse sizes and rates no run can use, in one line, before any model loads."""
+    for name in POSITIVE_SIZES:
+        if getattr(args, name, 1) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for name in ("steps", "save_every", "eval_every", "eval_problems"):
+        if getattr(args, name, 0) < 0:
+            raise UserError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
+    for name in ("lr", "critic_lr"):
+        if hasattr(args, name) and not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0):
+            raise UserError(f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}")
+    if getattr(args, "temperature", 1.0) <= 0:
+        raise UserError("--temperature must be > 0 for training rollouts (the log-probs are divided by it)")
+    for name in ("top_p", "eval_top_p"):
+        if not 0 < getattr(args, name, 1.0) <= 1:
+            raise UserError(f"--{name.replace('_', '-')} must be in (0, 1], got {getattr(args, name)}")
 
 
 def seed_everything(seed):
@@ -584,12 +619,15 @@ class HFGenerator:
 
     @torch.no_grad()
     def generate(self, prompts, n=1, max_tokens=256, temperature=1.0, top_p=1.0):
-        from transformers import GenerationConfig
+        from transformers import GenerationConfig, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-        sample = temperature > 0
-        config = GenerationConfig(max_new_tokens=max_tokens, do_sample=sample, temperature=temperature if sample else None,
-                                  top_p=top_p if sample else None, top_k=0 if sample else None, eos_token_id=eos,
-                                  pad_token_id=pad, output_scores=True, return_dict_in_generate=True)
+        # Our own warpers, then the recorder, so it sees the processed distribution (HF would add its warpers last).
+        warpers = [TemperatureLogitsWarper(temperature)] if temperature > 0 and temperature != 1 else []
+        warpers += [TopPLogitsWarper(top_p)] if temperature > 0 and top_p < 1 else []
+        # Explicit neutral values, or generate() would fill them from the model's own generation_config.
+        config = GenerationConfig(max_new_tokens=max_tokens, do_sample=temperature > 0, temperature=1.0, top_p=1.0,
+                                  top_k=0 if temperature > 0 else None,
+                                  eos_token_id=eos, pad_token_id=pad, return_dict_in_generate=True)
         requests = [(i, p) for i, p in enumerate(prompts) for _ in range(n)]
         completions, was_training = [], self.model.training
         self.model.eval()
@@ -598,13 +636,11 @@ class HFGenerator:
             width = max(len(p) for _, p in chunk)
             input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for _, p in chunk])
             attention_mask = (torch.arange(width) >= torch.tensor([width - len(p) for _, p in chunk])[:, None]).long()
-            device = self.model.device
+            device, recorder = self.model.device, _SampledLogprobs()
             out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                      generation_config=config)
+                                      generation_config=config, logits_processor=LogitsProcessorList(warpers + [recorder]))
             sampled = out.sequences[:, width:]
-            # processed scores (temperature and top-p applied), a step at a time: no [B, T, V] log-softmax copy
-            logprobs = torch.stack([token_logprobs(step, sampled[:, t]) for t, step in enumerate(out.scores)], 1).cpu()
-            sampled = sampled.cpu()
+            logprobs, sampled = recorder.finish(sampled).cpu(), sampled.cpu()
             for row, (index, _) in enumerate(chunk):
                 tokens = sampled[row].tolist()
                 stop = tokens.index(eos) + 1 if eos in tokens else len(tokens)
@@ -612,6 +648,25 @@ class HFGenerator:
                                               logprobs[row, :stop].tolist(), "stop" if eos in tokens else "length"))
         self.model.train(was_training)
         return completions
+
+
+class _SampledLogprobs:
+    """A logits processor, last in line, recording log p(sampled token) under the processed distribution one step
+    behind (at step t it sees the token drawn at t - 1): one [B, V] log-softmax at a time, never all T steps."""
+
+    def __init__(self):
+        self.previous, self.logprobs = None, []
+
+    def __call__(self, input_ids, scores):
+        if self.previous is not None:
+            self.logprobs.append(self.previous.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.previous = scores.float().log_softmax(-1)
+        return scores
+
+    def finish(self, sampled):
+        """[B, T] log-probs of the sampled tokens, the last step's included."""
+        last = self.previous.gather(-1, sampled[:, -1:]).squeeze(-1)
+        return torch.stack(self.logprobs + [last], 1)
 
 
 class VLLMGenerator:

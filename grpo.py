@@ -28,7 +28,7 @@ class Args:
     eval_only: bool = False  # evaluate --model (a hub model or a checkpoint's policy/ directory) and exit
     steps: int = 500  # rollout iterations
     seed: int = 0  # seed of data order, sampling and initialization
-    run_name: str = ""  # metrics and checkpoints go to <output-dir>/<run-name>/ (default: grpo_<model>_s<seed>)
+    run_name: str = ""  # metrics and checkpoints go to <output-dir>/<run-name>/ (default: <method>_<model>_s<seed>_<time>)
     output_dir: str = "runs"  # parent directory of runs
     resume: str = ""  # continue from a checkpoint directory (runs/<run>/checkpoints/step_N) or a run directory
     generator: Literal["auto", "hf", "vllm"] = "auto"  # rollout engine (auto: vLLM when it imports and CUDA is there)
@@ -135,7 +135,8 @@ def check_args(args):
 def main():
     args = common.parse_args(Args, TINY_PRESET)
     check_args(args)
-    resume_path = common.find_checkpoint(args.resume) if args.resume else None  # a bad path fails before any model loads
+    run_dir = common.run_directory(args, __file__)  # a clash with an existing run fails before any model loads
+    resume_path = common.find_checkpoint(args.resume) if args.resume else None  # and so does a bad --resume path
     train_rows = common.load_rows(args.dataset, "train", n_builtin=65536, seed=args.seed, skip_bad_rows=args.skip_bad_rows)
     eval_sets = common.load_eval_sets(args.eval_datasets, args.eval_problems, args.skip_bad_rows)
     common.seed_everything(args.seed)
@@ -147,12 +148,11 @@ def main():
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=args.adam_betas, weight_decay=args.weight_decay)
     models, optimizers = {"policy": policy}, {"policy": optimizer}
     generator = common.make_generator(args.generator, policy, tokenizer)
-    run_dir = common.run_directory(args, __file__)
     logger = common.Logger(run_dir, args, args.tensorboard, args.wandb_project)
     start_step = common.load_checkpoint(resume_path, models, optimizers) if resume_path else 0
     if args.eval_only:  # evaluate and exit, through the same code as the evaluations during training
         return common.run_eval_only(args, generator, tokenizer, eval_sets, logger, start_step)
-    step, skipped_in_a_row = start_step, 0
+    step, skipped_in_a_row, ctrl_c = start_step, 0, common.StopOnCtrlC()
     progress = tqdm(range(start_step, args.steps), desc=os.path.basename(run_dir), initial=start_step, total=args.steps)
     try:
         for step in progress:
@@ -230,11 +230,15 @@ def main():
                                                args.eval_temperature, args.eval_top_p))
                 progress.write(common.eval_table(metrics))
             logger.log(step, metrics, progress.write)
-            if args.save_every and (step + 1) % args.save_every == 0:
+            if args.save_every and (step + 1) % args.save_every == 0 or step == args.steps - 1 or ctrl_c.requested:
                 common.save_checkpoint(run_dir, step + 1, models, optimizers, tokenizer, args.keep_checkpoints)
-        common.save_checkpoint(run_dir, args.steps, models, optimizers, tokenizer, args.keep_checkpoints)
-    except KeyboardInterrupt:  # Ctrl-C: keep what the finished steps learned
-        progress.write(f"interrupted: saved {common.save_checkpoint(run_dir, step, models, optimizers, tokenizer, args.keep_checkpoints)}")
+            if ctrl_c.requested:  # Ctrl-C: stop after a whole step, saved above
+                progress.write(f"stopped after step {step}; continue with --resume {run_dir}")
+                break
+    except KeyboardInterrupt:  # a second Ctrl-C: stop at once; the latest checkpoint is whole
+        progress.write(f"interrupted: not saved; continue from the latest checkpoint with --resume {run_dir}")
+    finally:
+        ctrl_c.restore()
 
 
 if __name__ == "__main__":

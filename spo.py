@@ -35,7 +35,7 @@ class Args:
     eval_only: bool = False  # evaluate --model (a hub model or a checkpoint's policy/ directory) and exit
     steps: int = 500  # rollout iterations
     seed: int = 0  # seed of data order, sampling and initialization
-    run_name: str = ""  # metrics and checkpoints go to <output-dir>/<run-name>/ (default: grpo_<model>_s<seed>)
+    run_name: str = ""  # metrics and checkpoints go to <output-dir>/<run-name>/ (default: <method>_<model>_s<seed>_<time>)
     output_dir: str = "runs"  # parent directory of runs
     resume: str = ""  # continue from a checkpoint directory (runs/<run>/checkpoints/step_N) or a run directory
     generator: Literal["auto", "hf", "vllm"] = "auto"  # rollout engine (auto: vLLM when it imports and CUDA is there)
@@ -150,29 +150,6 @@ def masked_whiten(values, mask, eps=1e-6):
     return (values - valid.mean()) / valid.std().clamp(min=eps) * mask
 
 
-def monte_carlo_values(generator, tokenizer, requests, k, max_tokens, temperature, top_p):
-    """V = mean reward of k continuations for each request (prompt_ids, response_prefix, gold). A continuation
-    scores like a response: verify(prefix + continuation), 0 if it does not stop within the max_tokens the
-    prefix leaves. Identical requests are generated once (one engine request with n = k per unique prefix),
-    in one call with the largest budget. Returns (values in request order, continuation tokens within budget)."""
-    unique = list(dict.fromkeys((tuple(prompt), tuple(prefix), gold) for prompt, prefix, gold in requests))
-    if not unique:
-        return [], 0
-    budgets = [max_tokens - len(prefix) for _, prefix, _ in unique]
-    continuations = generator.generate([list(prompt) + list(prefix) for prompt, prefix, _ in unique], k,
-                                       max(budgets), temperature, top_p)
-    totals, tokens = [0.0] * len(unique), 0
-    for continuation in continuations:
-        _, prefix, gold = unique[continuation.prompt_index]
-        budget = budgets[continuation.prompt_index]
-        tokens += min(len(continuation.token_ids), budget)
-        if continuation.finish_reason == "stop" and len(continuation.token_ids) <= budget:
-            text = tokenizer.decode(list(prefix) + continuation.token_ids, skip_special_tokens=True)
-            totals[continuation.prompt_index] += common.verify(text, gold)
-    value = {key: total / k for key, total in zip(unique, totals)}
-    return [value[(tuple(prompt), tuple(prefix), gold)] for prompt, prefix, gold in requests], tokens
-
-
 @dataclass
 class Tree:
     """SPO-tree nodes, parents before children; the roots are the prompts (no segment)."""
@@ -271,7 +248,8 @@ def check_args(args):
 def main():
     args = common.parse_args(Args, TINY_PRESET)
     check_args(args)
-    resume_path = common.find_checkpoint(args.resume) if args.resume else None  # a bad path fails before any model loads
+    run_dir = common.run_directory(args, __file__)  # a clash with an existing run fails before any model loads
+    resume_path = common.find_checkpoint(args.resume) if args.resume else None  # and so does a bad --resume path
     train_rows = common.load_rows(args.dataset, "train", n_builtin=65536, seed=args.seed, skip_bad_rows=args.skip_bad_rows)
     eval_sets = common.load_eval_sets(args.eval_datasets, args.eval_problems, args.skip_bad_rows)
     common.seed_everything(args.seed)
@@ -283,12 +261,11 @@ def main():
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=args.adam_betas, weight_decay=args.weight_decay)
     models, optimizers = {"policy": policy}, {"policy": optimizer}
     generator = common.make_generator(args.generator, policy, tokenizer)
-    run_dir = common.run_directory(args, __file__)
     logger = common.Logger(run_dir, args, args.tensorboard, args.wandb_project)
     start_step = common.load_checkpoint(resume_path, models, optimizers) if resume_path else 0
     if args.eval_only:  # evaluate and exit, through the same code as the evaluations during training
         return common.run_eval_only(args, generator, tokenizer, eval_sets, logger, start_step)
-    step, skipped_in_a_row = start_step, 0
+    step, skipped_in_a_row, ctrl_c = start_step, 0, common.StopOnCtrlC()
     progress = tqdm(range(start_step, args.steps), desc=os.path.basename(run_dir), initial=start_step, total=args.steps)
     try:
         for step in progress:
@@ -339,11 +316,12 @@ def main():
                 mc_start, lengths = time.time(), mask.sum(1).tolist()
                 cuts = [cutpoints(old_logprobs[row, :n].exp(), args.prob_threshold, args.cut_interval)
                         for row, n in enumerate(lengths)]
-                requests = [(sample_prompts[row], c.token_ids[:cut + 1], golds[c.prompt_index])
-                            for row, c in enumerate(completions) for cut in cuts[row]]
-                estimates, mc_tokens = monte_carlo_values(generator, tokenizer, requests, args.mc_samples,
-                                                          args.max_response_tokens, args.temperature, args.top_p)
-                estimates = iter(estimates)
+                cut_rows = [(row, cut) for row in range(len(completions)) for cut in cuts[row]]
+                estimates, mc_tokens = common.monte_carlo_values(  # one engine request (n = K) per distinct prefix
+                    generator, tokenizer, [(sample_prompts[row], completions[row].token_ids[:cut + 1]) for row, cut in cut_rows],
+                    [golds[completions[row].prompt_index] for row, _ in cut_rows], args.mc_samples,
+                    args.max_response_tokens, args.temperature, args.top_p)
+                estimates = iter(estimates.tolist())
                 cut_values = [[next(estimates) for _ in row_cuts] for row_cuts in cuts]
                 # V at the prompt state (cut -1): our choice, METHODS.md leaves it open: the mean reward of the
                 # prompt's G samples, which are G Monte Carlo rollouts from that state (no extra generation).
@@ -407,11 +385,15 @@ def main():
                                                args.eval_temperature, args.eval_top_p))
                 progress.write(common.eval_table(metrics))
             logger.log(step, metrics, progress.write)
-            if args.save_every and (step + 1) % args.save_every == 0:
+            if args.save_every and (step + 1) % args.save_every == 0 or step == args.steps - 1 or ctrl_c.requested:
                 common.save_checkpoint(run_dir, step + 1, models, optimizers, tokenizer, args.keep_checkpoints)
-        common.save_checkpoint(run_dir, args.steps, models, optimizers, tokenizer, args.keep_checkpoints)
-    except KeyboardInterrupt:  # Ctrl-C: keep what the finished steps learned
-        progress.write(f"interrupted: saved {common.save_checkpoint(run_dir, step, models, optimizers, tokenizer, args.keep_checkpoints)}")
+            if ctrl_c.requested:  # Ctrl-C: stop after a whole step, saved above
+                progress.write(f"stopped after step {step}; continue with --resume {run_dir}")
+                break
+    except KeyboardInterrupt:  # a second Ctrl-C: stop at once; the latest checkpoint is whole
+        progress.write(f"interrupted: not saved; continue from the latest checkpoint with --resume {run_dir}")
+    finally:
+        ctrl_c.restore()
 
 
 if __name__ == "__main__":

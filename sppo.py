@@ -30,7 +30,7 @@ class Args:
     eval_only: bool = False  # evaluate --model (a hub model or a checkpoint's policy/ directory) and exit
     steps: int = 500  # rollout iterations
     seed: int = 0  # seed of data order, sampling and initialization
-    run_name: str = ""  # metrics and checkpoints go to <output-dir>/<run-name>/ (default: grpo_<model>_s<seed>)
+    run_name: str = ""  # metrics and checkpoints go to <output-dir>/<run-name>/ (default: <method>_<model>_s<seed>_<time>)
     output_dir: str = "runs"  # parent directory of runs
     resume: str = ""  # continue from a checkpoint directory (runs/<run>/checkpoints/step_N) or a run directory
     generator: Literal["auto", "hf", "vllm"] = "auto"  # rollout engine (auto: vLLM when it imports and CUDA is there)
@@ -57,7 +57,7 @@ class Args:
     critic_warmup: int = 0  # first N rollouts train only the critic, the actor frozen
     probe_every: int = 0  # critic diagnostics every N steps: critic vs Monte Carlo values on held-out prompts (0: off)
     probe_prompts: int = 16  # held-out prompts per probe, one sampled response each
-    probe_continuations: int = 8  # K, Monte Carlo continuations per probed state (prompt, 30/60/90% of the response)
+    probe_continuations: int = 8  # K, Monte Carlo continuations per probed state (SPPO: the prompt state only)
     aggregation: Literal["token-mean", "seq-mean", "sum-max-len"] = "token-mean"  # loss reduction (sum-max-len: Dr. GRPO)
     kl_coef: float = 0.0  # beta of the k3 KL to a frozen reference (0: no reference model is loaded)
     eval_every: int = 50  # evaluate every N steps (and always at the first and last step; 0: only those)
@@ -141,7 +141,8 @@ def check_args(args):
 def main():
     args = common.parse_args(Args, TINY_PRESET)
     check_args(args)
-    resume_path = common.find_checkpoint(args.resume) if args.resume else None  # a bad path fails before any model loads
+    run_dir = common.run_directory(args, __file__)  # a clash with an existing run fails before any model loads
+    resume_path = common.find_checkpoint(args.resume) if args.resume else None  # and so does a bad --resume path
     train_rows = common.load_rows(args.dataset, "train", n_builtin=65536, seed=args.seed, skip_bad_rows=args.skip_bad_rows)
     eval_sets = common.load_eval_sets(args.eval_datasets, args.eval_problems, args.skip_bad_rows)
     common.seed_everything(args.seed)
@@ -156,12 +157,11 @@ def main():
                                          weight_decay=args.weight_decay)
     models, optimizers = {"policy": policy, "critic": critic}, {"policy": optimizer, "critic": critic_optimizer}
     generator = common.make_generator(args.generator, policy, tokenizer)
-    run_dir = common.run_directory(args, __file__)
     logger = common.Logger(run_dir, args, args.tensorboard, args.wandb_project)
     start_step = common.load_checkpoint(resume_path, models, optimizers) if resume_path else 0
     if args.eval_only:  # evaluate and exit, through the same code as the evaluations during training
         return common.run_eval_only(args, generator, tokenizer, eval_sets, logger, start_step)
-    step, skipped_in_a_row = start_step, 0
+    step, skipped_in_a_row, ctrl_c = start_step, 0, common.StopOnCtrlC()
     progress = tqdm(range(start_step, args.steps), desc=os.path.basename(run_dir), initial=start_step, total=args.steps)
     try:
         for step in progress:
@@ -254,7 +254,6 @@ def main():
             response_tokens = int(mask.sum())
             metrics.update({key: sum(values) / len(values) for key, values in history.items()})
             metrics.update(common.rollout_metrics(completions, rewards, old_logprobs, mask),
-                           value_mean=torch.sigmoid(old_value_logits).mean().item(),
                            rollout_s=rollout_seconds, update_s=update_seconds,
                            tokens_per_s=response_tokens / (rollout_seconds + update_seconds))
             if step == args.steps - 1:
@@ -262,11 +261,15 @@ def main():
                                                args.eval_temperature, args.eval_top_p))
                 progress.write(common.eval_table(metrics))
             logger.log(step, metrics, progress.write)
-            if args.save_every and (step + 1) % args.save_every == 0:
+            if args.save_every and (step + 1) % args.save_every == 0 or step == args.steps - 1 or ctrl_c.requested:
                 common.save_checkpoint(run_dir, step + 1, models, optimizers, tokenizer, args.keep_checkpoints)
-        common.save_checkpoint(run_dir, args.steps, models, optimizers, tokenizer, args.keep_checkpoints)
-    except KeyboardInterrupt:  # Ctrl-C: keep what the finished steps learned
-        progress.write(f"interrupted: saved {common.save_checkpoint(run_dir, step, models, optimizers, tokenizer, args.keep_checkpoints)}")
+            if ctrl_c.requested:  # Ctrl-C: stop after a whole step, saved above
+                progress.write(f"stopped after step {step}; continue with --resume {run_dir}")
+                break
+    except KeyboardInterrupt:  # a second Ctrl-C: stop at once; the latest checkpoint is whole
+        progress.write(f"interrupted: not saved; continue from the latest checkpoint with --resume {run_dir}")
+    finally:
+        ctrl_c.restore()
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ def run(method, seed, output_dir, extra):
         records = [json.loads(line) for line in handle]
     evals = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
     extra_tokens = sum(r.get("mc_tokens", 0) for r in records)
-    policy_tokens = sum(r.get("response_length", 0) * r.get("samples", 0) for r in records)
+    policy_tokens = sum(r.get("policy_tokens", 0) for r in records)
     return {"method": method, "seed": seed, "first": evals[0], "last": evals[-1], "seconds": seconds,
             "steps": len(records), "mc_tokens": extra_tokens, "policy_tokens": policy_tokens}
 
@@ -48,15 +48,18 @@ def main():
             with open(os.path.join(ROOT, args.results), "a") as handle:
                 handle.write(json.dumps(result) + "\n")
             results.append(result)
-    print("| method | first accuracy | last accuracy | gain | wall time per run |")
-    print("|---|---|---|---|---|")
+    print("| method | first accuracy | last accuracy | gain | wall time per run | Monte Carlo tokens |")
+    print("|---|---|---|---|---|---|")
     for method in args.methods:
         rows = [r for r in results if r["method"] == method]
         def stat(key, scale=100.0):
             values = [r[key] * scale for r in rows]
             return f"{statistics.mean(values):.1f} ± {statistics.stdev(values) if len(values) > 1 else 0:.1f}"
         gains = [100 * (r["last"] - r["first"]) for r in rows]
-        print(f"| {method} | {stat('first')} | {stat('last')} | {statistics.mean(gains):+.1f} | {stat('seconds', 1)} s |")
+        mc = sum(r["mc_tokens"] for r in rows) / len(rows)
+        policy = sum(r["policy_tokens"] for r in rows) / len(rows)
+        cost = f"{mc:,.0f} per run ({100 * mc / policy:.0f}% of the policy's {policy:,.0f})" if mc and policy else "-"
+        print(f"| {method} | {stat('first')} | {stat('last')} | {statistics.mean(gains):+.1f} | {stat('seconds', 1)} s | {cost} |")
 
 
 if __name__ == "__main__":

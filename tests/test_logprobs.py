@@ -143,6 +143,24 @@ def test_hf_generator_logprobs_match_trainer(tiny, temperature):
     assert (engine - trainer)[batch.response_mask].abs().max() < 1e-4
 
 
+def test_hf_generator_ignores_the_models_own_sampling_defaults():
+    """A checkpoint's generation_config (say temperature 0.3, top-k 3, top-p 0.5) must not change how rollouts are
+    sampled: the engine's log-probs still equal the trainer's at the requested temperature, and sampling at 1.0
+    still spreads over many responses (top-k 3 at temperature 0.3 would make almost all of them identical)."""
+    from transformers import GenerationConfig
+    model, tokenizer = common.load_model("tiny", "float32", "cpu")
+    model.generation_config = GenerationConfig(do_sample=True, temperature=0.3, top_k=3, top_p=0.5)
+    torch.manual_seed(0)
+    prompt = common.prompt_ids(tokenizer, "478+365")
+    completions = common.HFGenerator(model, tokenizer).generate([prompt], 64, 48, 1.0, 1.0)
+    batch = common.sequence_batch([prompt] * 64, [c.token_ids for c in completions], tokenizer.pad_token_id)
+    with torch.no_grad():
+        trainer = common.response_logprobs(model, batch, 1.0)
+    engine = common.engine_logprobs(completions, batch.response_width)
+    assert (engine - trainer)[batch.response_mask].abs().max() < 1e-4
+    assert len({tuple(c.token_ids) for c in completions}) >= 5
+
+
 def test_engine_logprobs_pads_with_zero():
     completions = [common.Completion(0, [4, 5], "", [-0.5, -1.5], "stop"),
                    common.Completion(0, [6], "", [-2.0], "length")]

@@ -152,7 +152,6 @@ def test_flags_refused_before_the_model_loads(trainer, monkeypatch, capsys, no_m
     assert "the dataset is empty" in refusal(monkeypatch, capsys, trainer, "--dataset", empty)
 
 
-@pytest.mark.xfail(strict=True, reason="the run directory and --resume are checked after the model loads (report)")
 @pytest.mark.parametrize("trainer", TRAINERS)
 def test_run_clash_and_bad_resume_refused_before_the_model_loads(trainer, monkeypatch, capsys, no_model, tmp_path):
     os.makedirs(tmp_path / "taken")
@@ -168,15 +167,13 @@ def test_grpo_group_of_one_refused(monkeypatch, capsys, no_model):
     assert "--samples-per-prompt must be at least 2" in refusal(monkeypatch, capsys, "grpo", "--samples-per-prompt", 1)
 
 
-@pytest.mark.xfail(strict=True, reason="check_args does not yet refuse zero sizes (ZeroDivisionError); see report")
 @pytest.mark.parametrize("flag", ["--mini-batches", "--micro-batch-size", "--prompts-per-step"])
 def test_zero_sizes_refused(flag, monkeypatch, capsys, no_model):
     assert flag in refusal(monkeypatch, capsys, "grpo", flag, 0)
 
 
 @pytest.mark.skipif("sp3o" not in TRAINERS, reason="sp3o.py is not there")
-@pytest.mark.parametrize("ratios", [["0.3", "1.5"], ["-0.2"], pytest.param(["0"], marks=pytest.mark.xfail(
-    strict=True, reason="sp3o.check_args accepts [0, 1]; the issue asks for (0, 1] (see report)"))])
+@pytest.mark.parametrize("ratios", [["0"], ["0.3", "1.5"], ["-0.2"]])
 def test_sp3o_anchors_outside_unit_interval_refused(ratios, monkeypatch, capsys, no_model):
     assert "--anchor-ratios" in refusal(monkeypatch, capsys, "sp3o", "--anchor-ratios", *ratios)
 
@@ -297,7 +294,6 @@ def test_ctrl_c_saves_and_exits_cleanly(monkeypatch, tmp_path):
     assert len(optimizer.state) > 0
 
 
-@pytest.mark.xfail(strict=True, reason="the trainers stop mid-step on Ctrl-C; common.StopOnCtrlC fixes it (report)")
 def test_ctrl_c_in_the_middle_of_an_update_saves_whole_steps(monkeypatch, tmp_path, poison):
     """Ctrl-C after the first of step 2's two optimizer steps: the checkpoint must equal a straight run's checkpoint
     after the same number of steps, not hold half of step 2 (which a resume would then apply again)."""
@@ -457,7 +453,7 @@ def test_resume_after_sigkill_is_exact(tmp_path, capsys):
         assert {k: a[step][k] for k in keys} == {k: b[step][k] for k in keys}, step  # exactly equal floats
         table.append(f"  step {step}: reward {a[step]['reward']:.4f} / {b[step]['reward']:.4f}  policy_loss "
                      f"{a[step]['policy_loss']:.6g} / {b[step]['policy_loss']:.6g}  grad_norm "
-                     f"{a[step]['grad_norm']:.6g} / {b[step]['grad_norm']:.6g}" + "  (resumed)" * (step >= resumed_from))
+                     f"{a[step]['grad_norm']:.6g} / {b[step]['grad_norm']:.6g}" + " (resumed)" * (step >= resumed_from))
     final_a, final_b = (os.path.join(run, "checkpoints", "step_000006") for run in (straight, killed))
     assert_same(tensors(final_a), tensors(final_b))
     assert_same(trainer_state(final_a), trainer_state(final_b))  # Adam moments, step counts and RNG states

@@ -124,21 +124,21 @@ class ScriptedGenerator:
 
 
 def test_monte_carlo_values_dedupes_and_scores():
-    # K = 3 continuations: "\boxed{7}" + EOS (10 tokens), "\boxed{8}" + EOS, and an endless "z..." ("*": no EOS).
+    # SPO's cutpoint values come from common.monte_carlo_values. K = 3 continuations: "\boxed{7}" + EOS (10 tokens),
+    # "\boxed{8}" + EOS, and an endless "z..." ("*": no EOS).
     generator = ScriptedGenerator(["\\boxed{7}", "\\boxed{8}", "z" * 40 + "*"])
     prompt = encode("Q")
-    requests = [(prompt, encode("ab"), "7"), (prompt, encode("ab"), "7"), (prompt, encode("abcdefgh"), "7")]
-    values, tokens = spo.monte_carlo_values(generator, CharTokenizer(), requests, 3, 16, 0.6, 1.0)
+    states = [(prompt, encode("ab")), (prompt, encode("ab")), (prompt, encode("abcdefgh"))]
+    values, tokens = common.monte_carlo_values(generator, CharTokenizer(), states, ["7"] * 3, 3, 16, 0.6, 1.0)
     # one engine call, one request per unique prefix (2), n = K, the largest budget 16 - 2 = 14
     assert len(generator.calls) == 1
     assert generator.calls[0][0] == [prompt + encode("ab"), prompt + encode("abcdefgh")]
     assert generator.calls[0][1:] == (3, 14)
     # prefix "ab" (budget 14): 7 correct, 8 wrong, z truncated -> 1/3.
     # prefix "abcdefgh" (budget 8): the 10-token answers do not fit -> 0.
-    assert values == pytest.approx([1 / 3, 1 / 3, 0.0])
-    # tokens within budget: prefix "ab": 10 + 10 + 14; prefix "abcdefgh": 8 + 8 + 8.
-    assert tokens == 34 + 24
-    assert spo.monte_carlo_values(generator, CharTokenizer(), [], 3, 16, 0.6, 1.0) == ([], 0)
+    assert values.tolist() == pytest.approx([1 / 3, 1 / 3, 0.0])
+    # every generated token counts: per prefix 10 + 10 + 14 (the endless one stops at the call's budget 14)
+    assert tokens == 2 * 34
 
 
 def test_grow_tree_on_a_scripted_engine():
