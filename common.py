@@ -611,11 +611,11 @@ class HFGenerator:
     def sync_weights(self, model):
         self.model = model
 
-    def sleep(self):  # nothing to free: generation runs on the trainer's own model
-        pass
+    def sleep(self):
+        """Nothing to free: generation runs on the trainer's own model."""
 
     def wake_up(self):
-        pass
+        """Nothing to restore."""
 
     @torch.no_grad()
     def generate(self, prompts, n=1, max_tokens=256, temperature=1.0, top_p=1.0):
