@@ -110,7 +110,7 @@ def gae(rewards, values, mask, gamma=1.0, lam=1.0):
 def whiten(values, mask, eps=1e-8):
     """(x - mean) / std over the valid tokens (verl's masked_whiten); padding stays 0."""
     valid = values[mask]
-    return ((values - valid.mean()) / (valid.std() + eps)) * mask
+    return ((values - valid.mean()) / (valid.std(correction=int(valid.numel() > 1)) + eps)) * mask  # one token: 0, not NaN
 
 
 def terminal_rewards(rewards, mask):

@@ -106,3 +106,10 @@ def test_ppo_two_steps_end_to_end(tmp_path):
             assert math.isfinite(record[key]), key
         assert record["value_loss"] > 0 and record["skipped_updates"] == 0
     assert records[0]["approx_kl"] > 1e-5  # the second mini-batch sees an updated actor
+
+
+def test_whiten_single_valid_token_gives_zero_not_nan():
+    # One valid token: its mean is itself, so (x - mean) = 0; the unbiased std of one value would be NaN.
+    values = torch.tensor([[0.7, 0.0, 0.0]])
+    mask = torch.tensor([[True, False, False]])
+    assert torch.equal(ppo.whiten(values, mask), torch.zeros(1, 3))
