@@ -5,6 +5,7 @@ data loading and prompts, answer checking, the rollout engine, batching and per-
 evaluation, logging, checkpoints.
 """
 import argparse
+import contextlib
 import dataclasses
 import decimal
 import inspect
@@ -545,19 +546,15 @@ class _Verifier:
             self._start()
             deadline += time.monotonic() - start
         pid, connection = self.checker
-        try:
+        with contextlib.suppress(EOFError, OSError):  # a checker that died on this input is not signalled again
             connection.send((gold, answer))
             if connection.poll(max(0.0, deadline - time.monotonic())):
                 return float(connection.recv()), False
             os.kill(pid, signal.SIGKILL)  # stuck on hostile input
-        except (EOFError, OSError):  # it died on this input (and was reaped: do not signal its pid)
-            pass
         connection.close()
         self.checker = None
-        try:
+        with contextlib.suppress(EOFError, OSError):  # the zygote is gone: the next check restarts it
             self._fork()
-        except (EOFError, OSError):  # the zygote is gone: the next check restarts it
-            pass
         return 0.0, True
 
 
@@ -1251,9 +1248,8 @@ def _fsync(path):
     except OSError:
         return
     try:
-        os.fsync(descriptor)
-    except OSError:  # some filesystems cannot fsync a directory
-        pass
+        with contextlib.suppress(OSError):  # some filesystems cannot fsync a directory
+            os.fsync(descriptor)
     finally:
         os.close(descriptor)
 
