@@ -23,6 +23,7 @@ import socket
 import sys
 import time
 import typing
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +33,7 @@ CACHE_DIR = os.path.expanduser(os.environ.get("RL_REASONING_CACHE", "~/.cache/rl
 TINY_MODEL_VERSION = "tiny-v2"
 TINY_SHAPE = (128, 2, 100)  # hidden size, layers, vocabulary of the built-in tiny model  # bump when build_tiny_model changes, so stale caches are not reused
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # checkpoints use DCP in one process too
 
 
 class UserError(Exception):
@@ -43,8 +45,12 @@ def run_main(main):
     try:
         main()
     except UserError as error:
-        print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr)
+        if rank() == 0:
+            print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr)
         sys.exit(2)
+    finally:
+        if distributed():
+            torch.distributed.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -119,13 +125,132 @@ def check_ranges(args):
 
 
 def seed_everything(seed):
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+    """Seed Python, NumPy and torch; under torchrun each rank adds its rank, so the ranks sample differently."""
+    random.seed(seed + rank())
+    np.random.seed(seed + rank())
+    torch.manual_seed(seed + rank())
 
 
 def default_device():
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ----------------------------------------------------------------------------------------------
+# Several processes: `torchrun --nproc-per-node N <trainer>.py ...` runs one process (rank) per GPU, or per CPU
+# slot with gloo. Every model is sharded over the ranks (FSDP2 fully_shard); each rank generates and scores its
+# share of the prompts with a whole copy of the policy (HFGenerator, or one vLLM engine per rank). Losses divide
+# by the mean token count per rank, so the gradients FSDP averages are those of the global token-mean loss.
+# Without torchrun every function here is the identity.
+# ----------------------------------------------------------------------------------------------
+def rank():
+    return int(os.environ.get("RANK", 0))
+
+
+def world_size():
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def distributed():
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def init_device(device=""):
+    """This process's torch device. Under torchrun (WORLD_SIZE > 1) it joins the process group first: NCCL with one
+    GPU per rank (LOCAL_RANK), gloo on CPU; ranks other than 0 print nothing to stdout."""
+    device = device or default_device()
+    if world_size() > 1 and not distributed():
+        if device.startswith("cuda"):
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+            torch.cuda.set_device(device)
+        torch.distributed.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        if rank() > 0:
+            sys.stdout = open(os.devnull, "w")
+    return device
+
+
+def _communicable(tensor):
+    """NCCL moves CUDA tensors only."""
+    return tensor.cuda() if torch.distributed.get_backend() == "nccl" else tensor
+
+
+def gather_objects(value):
+    """[value of rank 0, value of rank 1, ...] (picklable values); [value] without torchrun."""
+    if not distributed():
+        return [value]
+    values = [None] * world_size()
+    torch.distributed.all_gather_object(values, value)
+    return values
+
+
+def gather_all(tensor):
+    """Every rank's `tensor`, concatenated along dim 0 in rank order (the ranks may hold different numbers of rows)."""
+    if not distributed():
+        return tensor
+    sizes = gather_objects(tensor.shape[0])
+    padded = _communicable(tensor.new_zeros((max(sizes),) + tuple(tensor.shape[1:])))
+    padded[:tensor.shape[0]] = _communicable(tensor)
+    parts = [torch.empty_like(padded) for _ in sizes]
+    torch.distributed.all_gather(parts, padded)
+    return torch.cat([part[:size] for part, size in zip(parts, sizes)]).to(tensor.device)
+
+
+def rank_mean(value):
+    """The mean over ranks of a number or a one-element tensor, as a float (itself without torchrun)."""
+    value = float(value)
+    if not distributed():
+        return value
+    total = _communicable(torch.tensor([value], dtype=torch.float64))
+    torch.distributed.all_reduce(total)
+    return total.item() / world_size()
+
+
+def rank_share(items):
+    """This rank's contiguous share of `items` (a list or a tensor); the shares in rank order make up `items`."""
+    if not distributed():
+        return items
+    if len(items) % world_size():
+        raise UserError(f"{len(items)} prompts do not split evenly over {world_size()} processes: make "
+                        f"--prompts-per-step a multiple of --nproc-per-node (times the number of nodes)")
+    share = len(items) // world_size()
+    return items[rank() * share:(rank() + 1) * share]
+
+
+def on_rank0(function):
+    """function() run on rank 0 only; its result, or its UserError, is handed to every rank."""
+    if not distributed():
+        return function()
+    outcome = [None]
+    if rank() == 0:
+        try:
+            outcome = [(True, function())]
+        except UserError as error:
+            outcome = [(False, str(error))]
+    torch.distributed.broadcast_object_list(outcome, src=0)
+    succeeded, value = outcome[0]
+    if not succeeded:
+        raise UserError(value)
+    return value
+
+
+def shard_model(model, compute_dtype):
+    """FSDP2 over all ranks: each decoder layer a unit (the architecture's _no_split_modules), then the rest
+    (embeddings, final norm, heads). Parameters stay float32; forward and backward run in `compute_dtype`."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    precision = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    layer_names = set(getattr(model, "_no_split_modules", None) or [])
+    for module in model.modules():
+        if type(module).__name__ in layer_names:
+            fully_shard(module, mp_policy=precision)
+    fully_shard(model, mp_policy=precision)
+    return model
+
+
+def full_weights(model):
+    """(name, whole tensor) for each entry of model.state_dict(), an FSDP shard gathered one tensor at a time
+    (under torchrun every rank must iterate: each gather is collective)."""
+    from torch.distributed.tensor import DTensor
+    for name, tensor in model.state_dict().items():
+        yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 # ----------------------------------------------------------------------------------------------
@@ -152,18 +277,21 @@ def load_tokenizer(name_or_path, trust_remote_code=False):
     return tokenizer
 
 
-def load_model(name_or_path, dtype="auto", device=None, trust_remote_code=False, value_head=False):
-    """Return (model, tokenizer). With value_head=True the model is the backbone plus a scalar head
-    per position (AutoModelForTokenClassification with one label, as verl builds its critic)."""
+def load_model(name_or_path, dtype="auto", device=None, trust_remote_code=False, value_head=0,
+               gradient_checkpointing=False):
+    """Return (model, tokenizer). value_head=k > 0: the backbone plus k scalar outputs per position
+    (AutoModelForTokenClassification, as verl builds its critic). Weights load in float32 and the forward runs in
+    `dtype` (auto: bfloat16 on GPU, float32 on CPU): mixed precision, so a 1e-6 step is not rounded away in bf16.
+    Under torchrun the model comes back sharded over the ranks (shard_model)."""
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
     path, device = resolve_model_name(name_or_path), device or default_device()
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
     tokenizer = load_tokenizer(path, trust_remote_code)
-    kwargs = dict(dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code)
+    kwargs = dict(dtype=torch.float32, trust_remote_code=trust_remote_code)
     try:
         if value_head:
-            model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, **kwargs)
+            model = AutoModelForTokenClassification.from_pretrained(path, num_labels=int(value_head), **kwargs)
         else:
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as error:
@@ -171,7 +299,19 @@ def load_model(name_or_path, dtype="auto", device=None, trust_remote_code=False,
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))
     model.config.pad_token_id = tokenizer.pad_token_id
-    return model.to(device), tokenizer
+    model.compute_dtype, model.architecture = getattr(torch, dtype), type(model).__name__
+    if gradient_checkpointing:  # recompute each layer's activations in backward (HF checkpoints in train mode only)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # transformers < 6
+        model.train()
+    model = model.to(device)
+    return (shard_model(model, model.compute_dtype) if distributed() else model), tokenizer
+
+
+def forward(model, batch, **kwargs):
+    """model(batch) in the model's compute dtype (autocast: the float32 weights are cast layer by layer)."""
+    dtype = getattr(model, "compute_dtype", torch.float32)
+    with torch.autocast(batch.input_ids.device.type, dtype=dtype, enabled=dtype != torch.float32):
+        return model(**batch.model_inputs(), use_cache=False, **kwargs)
 
 
 def build_tiny_model(cache_dir=CACHE_DIR, sft_steps=400, seed=0):
@@ -599,14 +739,25 @@ class Completion:
 
 
 class HFGenerator:
-    """Hugging Face `generate` backend (CPU or GPU). Reads the live policy weights, so no sync is needed."""
+    """Hugging Face `generate` backend (CPU or GPU). One process: it reads the live policy weights, nothing to sync.
+    Under torchrun the policy is sharded, so each rank generates with its own whole copy, refreshed by sync_weights."""
     engine = "hf"
 
     def __init__(self, model, tokenizer, batch_size=256):
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+        if distributed():
+            from transformers import AutoModelForCausalLM
+            self.model = AutoModelForCausalLM.from_config(model.config, dtype=model.compute_dtype).to(model.device)
+            self.model.compute_dtype = model.compute_dtype
 
     def sync_weights(self, model):
-        self.model = model
+        if not distributed():
+            self.model = model
+            return
+        own = self.model.state_dict()
+        with torch.no_grad():
+            for name, tensor in full_weights(model):
+                own[name].copy_(tensor)
 
     def sleep(self):
         """Nothing to free: generation runs on the trainer's own model."""
@@ -634,8 +785,10 @@ class HFGenerator:
             input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for _, p in chunk])
             attention_mask = (torch.arange(width) >= torch.tensor([width - len(p) for _, p in chunk])[:, None]).long()
             device, recorder = self.model.device, _SampledLogprobs()
-            out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                      generation_config=config, logits_processor=LogitsProcessorList(warpers + [recorder]))
+            dtype = getattr(self.model, "compute_dtype", torch.float32)
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                          generation_config=config, logits_processor=LogitsProcessorList(warpers + [recorder]))
             sampled = out.sequences[:, width:]
             logprobs, sampled = recorder.finish(sampled).cpu(), sampled.cpu()
             for row, (index, _) in enumerate(chunk):
@@ -684,9 +837,12 @@ class VLLMGenerator:
         # LLM(...): api/vllm/entrypoints/llm/; engine arguments: configuration/engine_args/ (--enable-sleep-mode;
         # --logprobs-mode: "processed means the values after applying all processors, including temperature and
         # top_k/top_p", returned from the sampling path in v1/sample/sampler.py).
-        self.llm = LLM(model=path, tokenizer=path, dtype=str(model.dtype).removeprefix("torch."), seed=seed,
+        # Under torchrun: one engine per rank on its own prompts (external_launcher with data_parallel_size = ranks,
+        # as vLLM's examples/features/torchrun/torchrun_dp_example_offline.py).
+        ranks = dict(distributed_executor_backend="external_launcher", data_parallel_size=world_size()) if distributed() else {}
+        self.llm = LLM(model=path, tokenizer=path, dtype=str(model.compute_dtype).removeprefix("torch."), seed=seed,
                        gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True,
-                       enable_prefix_caching=True, logprobs_mode="processed_logprobs")
+                       enable_prefix_caching=True, logprobs_mode="processed_logprobs", **ranks)
 
     def generate(self, prompts, n=1, max_tokens=256, temperature=1.0, top_p=1.0):
         from vllm import SamplingParams, TokensPrompt
@@ -728,9 +884,9 @@ class VLLMGenerator:
         old weights). HF parameter names: vLLM's load_weights fuses q/k/v and gate/up itself and skips a tied
         lm_head (model_executor/models/qwen3.py). The weights wake before the copy, the KV cache after it."""
         self.wake_up(tags=["weights"])
-        weights = model.state_dict()
+        weights = full_weights(model)  # one tensor at a time: under torchrun each is gathered from the shards
         # LLM.apply_model(func): "Run a function directly on the model inside each worker" (entrypoints/llm.py)
-        self.llm.apply_model(lambda engine_model: engine_model.load_weights(weights.items()))
+        self.llm.apply_model(lambda engine_model: engine_model.load_weights(weights))
         self.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()
 
@@ -758,10 +914,13 @@ def resolve_generator(kind, device="cuda"):
 
 
 def make_generator(kind, model, tokenizer, gpu_memory_utilization=0.3, seed=0):
-    """The rollout engine for --generator auto|hf|vllm (see resolve_generator)."""
+    """The rollout engine for --generator auto|hf|vllm (see resolve_generator), holding `model`'s current weights."""
     if resolve_generator(kind, model.device.type) == "vllm":
-        return VLLMGenerator(model, tokenizer, gpu_memory_utilization, seed)
-    return HFGenerator(model, tokenizer)
+        generator = VLLMGenerator(model, tokenizer, gpu_memory_utilization, seed)
+    else:
+        generator = HFGenerator(model, tokenizer)
+    generator.sync_weights(model)  # vLLM loaded the checkpoint from disk: a resumed policy differs from it
+    return generator
 
 
 # ----------------------------------------------------------------------------------------------
@@ -860,14 +1019,14 @@ def token_logprobs(logits, tokens, temperature=1.0, chunk_elements=2 ** 24):
 def response_logprobs(model, batch, temperature=1.0):
     """[B, T] log-probs of the response tokens under `model` at the sampling temperature. The T+1 kept logit
     columns go in whole (slicing off the last one would force a copy); the last column's target is a filler."""
-    logits = model(**batch.model_inputs(), logits_to_keep=batch.response_width + 1, use_cache=False).logits
+    logits = forward(model, batch, logits_to_keep=batch.response_width + 1).logits
     targets = torch.cat([batch.response_ids, batch.response_ids[:, -1:]], 1)
     return token_logprobs(logits, targets, temperature)[:, :-1]
 
 
 def response_values(critic, batch):
     """[B, T] scalar outputs of a value-head model at the states before each response token."""
-    return critic(**batch.model_inputs(), use_cache=False).logits[:, -batch.response_width - 1:-1, 0].float()
+    return forward(critic, batch).logits[:, -batch.response_width - 1:-1, 0].float()
 
 
 def engine_logprobs(completions, width):
@@ -916,8 +1075,19 @@ def token_budget_chunks(indices, lengths, max_tokens):
 
 
 def micro_batches(rows, lengths, micro_batch_size, max_tokens=0):
-    """Micro-batches of `rows`: packed by padded token count when max_tokens > 0, else micro_batch_size rows each."""
-    return token_budget_chunks(rows, lengths, max_tokens) if max_tokens else chunks(rows, micro_batch_size)
+    """Micro-batches of `rows`: packed by padded token count when max_tokens > 0, else micro_batch_size rows each.
+    Under torchrun every rank gets as many as the rank with the most (FSDP forwards are collective): the largest
+    micro-batches are halved until the counts agree."""
+    groups = token_budget_chunks(rows, lengths, max_tokens) if max_tokens else chunks(rows, micro_batch_size)
+    wanted = max(gather_objects(len(groups)))
+    while len(groups) < wanted:
+        largest = max(range(len(groups)), key=lambda i: len(groups[i]))
+        if len(groups[largest]) < 2:
+            raise UserError(f"the ranks need {wanted} micro-batches but this one holds {len(rows)} sequences: "
+                            "use the same number of sequences on every rank")
+        half = len(groups[largest]) // 2
+        groups[largest:largest + 1] = [groups[largest][:half], groups[largest][half:]]
+    return groups
 
 
 def step_rows(rows, step, count, seed):
@@ -995,18 +1165,23 @@ def evaluate(generator, tokenizer, eval_sets, n=1, max_tokens=256, temperature=0
 
 def _evaluate(generator, tokenizer, eval_sets, n, max_tokens, temperature, top_p):
     metrics = {}
-    for name, rows in eval_sets.items():
+    for name, all_rows in eval_sets.items():
+        rows = all_rows[rank()::world_size()]  # under torchrun each rank takes every world_size-th problem
         completions = generator.generate([prompt_ids(tokenizer, r["question"]) for r in rows], n, max_tokens,
                                          temperature, top_p)
         correct = np.zeros(len(rows), dtype=int)
         for completion in completions:
             if completion.finish_reason == "stop":
                 correct[completion.prompt_index] += verify(completion.text, rows[completion.prompt_index]["answer"])
+        shares = gather_objects((correct.tolist(), sum(c.finish_reason == "length" for c in completions),
+                                 sum(ends_in_loop(response_tokens(c)) for c in completions)))
+        correct = np.array([c for share in shares for c in share[0]])
+        samples = len(correct) * n
         metrics[f"eval/{name}/avg@{n}"] = float(correct.mean() / n)
         for k in [2 ** i for i in range(int(math.log2(n)) + 1)] if n > 1 else []:
             metrics[f"eval/{name}/pass@{k}"] = float(np.mean([pass_at_k(n, int(c), k) for c in correct]))
-        metrics[f"eval/{name}/truncated"] = sum(c.finish_reason == "length" for c in completions) / len(completions)
-        metrics[f"eval/{name}/repetition"] = repetition_rate([response_tokens(c) for c in completions])
+        metrics[f"eval/{name}/truncated"] = sum(share[1] for share in shares) / samples
+        metrics[f"eval/{name}/repetition"] = sum(share[2] for share in shares) / samples
         metrics.setdefault("eval/accuracy", metrics[f"eval/{name}/avg@{n}"])
     return metrics
 
@@ -1131,7 +1306,7 @@ def response_hidden_states(model, batch, micro_batch_size=8):
     states = []
     for rows in chunks(list(range(batch.input_ids.shape[0])), micro_batch_size):
         micro = batch.select(rows)
-        hidden = model(**micro.model_inputs(), output_hidden_states=True).hidden_states[-1]
+        hidden = forward(model, micro, output_hidden_states=True).hidden_states[-1]
         hidden = hidden[:, -micro.response_width - 1:-1]
         states += [hidden[i, :int(micro.response_mask[i].sum())].float().cpu() for i in range(len(rows))]
     return states
@@ -1195,11 +1370,14 @@ def run_directory(args, trainer_file):
     if args.resume and not args.run_name:
         return os.path.abspath(args.resume).split(os.sep + "checkpoints")[0]
     method = os.path.splitext(os.path.basename(trainer_file))[0]
-    name = args.run_name or f"{method}_{os.path.basename(args.model.rstrip('/'))}_s{args.seed}_{time.strftime('%Y%m%d-%H%M%S')}"
-    path = os.path.join(args.output_dir, name)
-    if os.path.exists(os.path.join(path, "metrics.jsonl")) and not args.resume:
-        raise UserError(f"{path} already holds a run: pass --resume {path} to continue it, or another --run-name")
-    return path
+
+    def name_it():  # on rank 0 only: the clock may tick between ranks
+        name = args.run_name or f"{method}_{os.path.basename(args.model.rstrip('/'))}_s{args.seed}_{time.strftime('%Y%m%d-%H%M%S')}"
+        path = os.path.join(args.output_dir, name)
+        if os.path.exists(os.path.join(path, "metrics.jsonl")) and not args.resume:
+            raise UserError(f"{path} already holds a run: pass --resume {path} to continue it, or another --run-name")
+        return path
+    return on_rank0(name_it)
 
 
 class Logger:
@@ -1208,11 +1386,12 @@ class Logger:
              "probe/mse_60", "probe/sign_acc_tau1", "probe/effective_rank", "probe_s", "eval/accuracy"]
 
     def __init__(self, run_dir, config, tensorboard=False, wandb_project=None):
+        self.path, self.tensorboard, self.wandb = os.path.join(run_dir, "metrics.jsonl"), None, None
+        if rank() > 0:  # under torchrun rank 0 writes for all
+            return
         os.makedirs(run_dir, exist_ok=True)
-        self.path = os.path.join(run_dir, "metrics.jsonl")
         with open(os.path.join(run_dir, "config.json"), "w") as handle:
             json.dump(dataclasses.asdict(config), handle, indent=1)
-        self.tensorboard = self.wandb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.tensorboard = SummaryWriter(run_dir)
@@ -1221,7 +1400,13 @@ class Logger:
             self.wandb = wandb.init(project=wandb_project, name=os.path.basename(run_dir), config=dataclasses.asdict(config))
 
     def log(self, step, metrics, write=print):
-        record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        """Under torchrun every rank calls it: a metric is the mean of the ranks' values (each rank's losses are
+        already its estimate of the global one)."""
+        shares = gather_objects({k: float(v) for k, v in metrics.items()})
+        record = {"step": step, **{k: float(np.mean([s[k] for s in shares if k in s]))
+                                   for k in dict.fromkeys(k for s in shares for k in s)}}
+        if rank() > 0:
+            return
         with open(self.path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
         write(f"step {step:4d} " + " ".join(f"{key.replace('/', '_')}={record[key]:.4g}"
@@ -1263,33 +1448,78 @@ def _fsync_tree(path):
 
 
 def save_checkpoint(run_dir, step, models, optimizers, tokenizer, keep=2):
-    """runs/<run>/checkpoints/step_<n>/{<name>/ (HF format, safetensors), trainer_state.pt}. Written to a staging
-    directory, flushed, then renamed: a kill at any moment leaves the previous checkpoints whole. Keeps the last
-    `keep`; a saved step also removes later steps (left by a run resumed from an earlier checkpoint)."""
+    """runs/<run>/checkpoints/step_<n>/{sharded/, <name>/, rng_rank<r>.pt, trainer_state.pt}: sharded/ holds the
+    weights and optimizer states (torch.distributed.checkpoint: each rank writes its shards, and a resume may use
+    any number of ranks); <name>/ a whole HF-format copy of each model (for --eval-only, vLLM and export).
+    Written to a staging directory, flushed, then renamed: a kill at any moment leaves the previous checkpoints whole. Keeps the last `keep`; a saved step also
+    removes later steps (left by a run resumed from an earlier checkpoint). Every rank calls it; the directory
+    must be one filesystem seen by all (multi-node: a shared one)."""
     root = os.path.join(run_dir, "checkpoints")
-    os.makedirs(root, exist_ok=True)
-    for name in os.listdir(root):
-        if name.startswith((".staging_", ".replaced_")):  # left by a save that was killed
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     final, staging = os.path.join(root, f"step_{step:06d}"), os.path.join(root, f".staging_{step:06d}")
-    for name, model in models.items():
-        model.save_pretrained(os.path.join(staging, name), safe_serialization=True)
-        tokenizer.save_pretrained(os.path.join(staging, name))
-    state = {"step": step, "optimizers": {k: o.state_dict() for k, o in optimizers.items()},
-             "rng": {"python": random.getstate(), "numpy": _numpy_rng_state(), "torch": torch.get_rng_state(),
-                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}}
-    torch.save(state, os.path.join(staging, "trainer_state.pt"))
-    _fsync_tree(staging)
-    replaced = os.path.join(root, f".replaced_{step:06d}")
-    if os.path.exists(final):  # saving the same step again (an interrupt or a stop right after a save)
-        os.rename(final, replaced)
-    os.rename(staging, final)
-    _fsync(root)
-    shutil.rmtree(replaced, ignore_errors=True)
-    steps = _checkpoint_steps(root)
-    for old in [s for s in steps if s > step] + [s for s in steps if s <= step][:-max(keep, 1)]:
-        shutil.rmtree(os.path.join(root, f"step_{old:06d}"), ignore_errors=True)
+    if rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        for name in os.listdir(root):
+            if name.startswith((".staging_", ".replaced_")):  # left by a save that was killed
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    # DCP's state-dict API gives a never-stepped optimizer (the actor during critic warm-up) state by a step at lr 0,
+    # Adam's step count included: it is emptied again here and after loading, so a resumed run stays exact
+    fresh = [name for name, optimizer in optimizers.items() if not optimizer.state]
+    state = {"step": step, "models": sorted(models), "world_size": world_size(), "fresh_optimizers": fresh}
+    _save_sharded(staging, models, optimizers, tokenizer)
+    for name in fresh:
+        optimizers[name].state.clear()
+    torch.save(_rng_state(), os.path.join(staging, f"rng_rank{rank()}.pt"))
+    if distributed():
+        torch.distributed.barrier()
+    if rank() == 0:
+        torch.save(state, os.path.join(staging, "trainer_state.pt"))
+        _fsync_tree(staging)
+        replaced = os.path.join(root, f".replaced_{step:06d}")
+        if os.path.exists(final):  # saving the same step again (an interrupt or a stop right after a save)
+            os.rename(final, replaced)
+        os.rename(staging, final)
+        _fsync(root)
+        shutil.rmtree(replaced, ignore_errors=True)
+        steps = _checkpoint_steps(root)
+        for old in [s for s in steps if s > step] + [s for s in steps if s <= step][:-max(keep, 1)]:
+            shutil.rmtree(os.path.join(root, f"step_{old:06d}"), ignore_errors=True)
+    if distributed():
+        torch.distributed.barrier()
     return final
+
+
+def _save_sharded(directory, models, optimizers, tokenizer):
+    """The shards of every model and optimizer (DCP; one process writes one shard), and a whole HF-format copy of
+    each model, gathered to rank 0."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+    sharded = {}
+    for name, model in models.items():
+        model_state, optimizer_state = get_state_dict(model, optimizers[name])
+        sharded[name] = {"model": model_state, "optimizer": optimizer_state}
+    dcp.save(sharded, checkpoint_id=os.path.join(directory, "sharded"))
+    for name, model in models.items():
+        whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) \
+            if distributed() else None  # None: save_pretrained takes the model's own
+        if rank() == 0:
+            model.save_pretrained(os.path.join(directory, name), state_dict=whole, safe_serialization=True)
+            model.config.architectures = [getattr(model, "architecture", type(model).__name__)]  # not FSDP's class
+            model.config.save_pretrained(os.path.join(directory, name))
+            tokenizer.save_pretrained(os.path.join(directory, name))
+
+
+def _rng_state():
+    return {"python": random.getstate(), "numpy": _numpy_rng_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def _set_rng_state(state):
+    random.setstate(state["python"])
+    kind, keys, position, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached_gaussian))
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _numpy_rng_state():
@@ -1338,22 +1568,43 @@ def find_checkpoint(path):
 
 def load_checkpoint(path, models, optimizers):
     """Restore weights, optimizer states and RNG from `path` (see find_checkpoint). Returns the number of finished
-    steps, which also fixes the data position (step_rows)."""
+    steps, which also fixes the data position (step_rows). Any number of ranks can load it."""
     path = find_checkpoint(path)
     saved = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=True)
-    if sorted(saved["optimizers"]) != sorted(optimizers):
-        raise UserError(f"--resume {path!r}: saved by a trainer with models {sorted(saved['optimizers'])}, "
-                        f"this one has {sorted(optimizers)}")
+    saved_models = saved.get("models") or sorted(saved["optimizers"])
+    if saved_models != sorted(optimizers):
+        raise UserError(f"--resume {path!r}: saved by a trainer with models {saved_models}, this one has {sorted(optimizers)}")
+    if os.path.isdir(os.path.join(path, "sharded")):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        sharded = {}
+        for name, model in models.items():
+            model_state, optimizer_state = get_state_dict(model, optimizers[name])
+            sharded[name] = {"model": model_state, "optimizer": optimizer_state}
+        try:
+            dcp.load(sharded, checkpoint_id=os.path.join(path, "sharded"))
+        except (Exception, dcp.api.CheckpointException) as error:  # a BaseException: it wraps a missing or misshapen tensor
+            problem = re.search(r"(Missing key[^\n]*|Size mismatch[^\n]*)", str(error))
+            raise UserError(f"--resume: the checkpoint in {path} does not fit the model "
+                            f"({problem.group(1) if problem else type(error).__name__}); resume with the same --model and method")
+        for name, model in models.items():
+            set_state_dict(model, optimizers[name], model_state_dict=sharded[name]["model"],
+                           optim_state_dict=sharded[name]["optimizer"])
+            if name in saved.get("fresh_optimizers", []):
+                optimizers[name].state.clear()
+        rng_path = os.path.join(path, f"rng_rank{rank()}.pt")
+        if os.path.exists(rng_path):
+            _set_rng_state(torch.load(rng_path, map_location="cpu", weights_only=True))
+        else:  # more ranks than the run that saved it: a fresh seed per step and rank
+            seed_everything(saved["step"] * 1000 + 7)
+        return saved["step"]
+    if distributed():  # a checkpoint of an older version of this code, without sharded/
+        raise UserError(f"--resume {path!r}: saved without sharded/; resume it in one process (without torchrun)")
     for name, model in models.items():
         _load_weights(model, os.path.join(path, name))
     for name, optimizer in optimizers.items():
         optimizer.load_state_dict(saved["optimizers"][name])
-    random.setstate(saved["rng"]["python"])
-    kind, keys, position, has_gauss, cached_gaussian = saved["rng"]["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached_gaussian))
-    torch.set_rng_state(saved["rng"]["torch"])
-    if torch.cuda.is_available() and len(saved["rng"]["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(saved["rng"]["cuda"])
+    _set_rng_state(saved["rng"])
     return saved["step"]
 
 
@@ -1363,13 +1614,18 @@ class StopOnCtrlC:
     KeyboardInterrupt at once. restore() puts the previous handler back."""
 
     def __init__(self):
-        self.requested = False
+        self.signalled = False
         self.previous = signal.signal(signal.SIGINT, self._handle)
 
+    @property
+    def requested(self):
+        """Under torchrun: whether any rank saw Ctrl-C, so that all stop after the same step."""
+        return rank_mean(self.signalled) > 0 if distributed() else self.signalled
+
     def _handle(self, signum, frame):
-        if self.requested:
+        if self.signalled:
             raise KeyboardInterrupt
-        self.requested = True
+        self.signalled = True
         print("\nCtrl-C: stopping after this step, with a checkpoint (Ctrl-C again: stop now, without one)",
               file=sys.stderr)
 

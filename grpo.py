@@ -33,7 +33,8 @@ class Args:
     resume: str = ""  # continue from a checkpoint directory (runs/<run>/checkpoints/step_N) or a run directory
     generator: Literal["auto", "hf", "vllm"] = "auto"  # rollout engine (auto: vLLM when it imports and CUDA is there)
     device: str = ""  # torch device (default: cuda when available, else cpu)
-    dtype: str = "auto"  # parameter dtype (auto: bfloat16 on GPU, float32 on CPU)
+    dtype: str = "auto"  # compute dtype (auto: bfloat16 on GPU, float32 on CPU); weights stay float32
+    gpu_memory_utilization: float = 0.3  # share of GPU memory for the colocated vLLM engine (asleep during the update)
     trust_remote_code: bool = False  # allow custom model code from the hub (off: never run downloaded code)
     prompts_per_step: int = 64  # prompts per rollout (published: 64)
     samples_per_prompt: int = 8  # G, samples per prompt (published: 8)
@@ -46,7 +47,11 @@ class Args:
     mini_batches: int = 2  # optimizer steps per rollout per epoch (published: 2)
     epochs: int = 1  # passes over each rollout
     micro_batch_size: int = 8  # sequences per forward/backward; gradients accumulate up to a mini-batch
+    micro_batch_tokens: int = 0  # pack micro-batches by padded tokens per forward instead, longest first (0: off)
+    gradient_checkpointing: bool = True  # recompute activations in the backward pass (less memory, ~30% slower)
     grad_clip: float = 1.0  # max global gradient norm (published: 1.0)
+    truncated_is: Literal["auto", "on", "off"] = "auto"  # truncated importance sampling of the engine/trainer mismatch (auto: on with vLLM)
+    tis_cap: float = 2.0  # cap of the truncated importance weights (published: 2.0, SP3O's released setting)
     clip_low: float = 0.2  # PPO clip epsilon below 1 (published: 0.2)
     clip_high: float = 0.2  # PPO clip epsilon above 1 (0.28 is DAPO's clip-higher; published default 0.2)
     aggregation: Literal["token-mean", "seq-mean", "sum-max-len"] = "token-mean"  # loss reduction (sum-max-len: Dr. GRPO)
@@ -70,7 +75,7 @@ class Args:
 # greedy evaluation on 256 held-out problems.
 TINY_PRESET = dict(steps=60, prompts_per_step=16, max_response_tokens=48, lr=1e-4, micro_batch_size=64,
                    eval_every=0, eval_problems=256, eval_n=1, eval_temperature=0.0, eval_top_p=1.0,
-                   eval_max_tokens=48, save_every=0)
+                   eval_max_tokens=48, save_every=0, gradient_checkpointing=False)
 
 
 def group_advantages(rewards, group_size, scale="group", eps=1e-6):
@@ -96,7 +101,7 @@ def aggregate(token_losses, mask, aggregation, num_sequences=None, num_tokens=No
     mask = mask.float()
     num_sequences = num_sequences or mask.shape[0]
     if aggregation == "token-mean":
-        return (token_losses * mask).sum() / max(num_tokens or mask.sum().item(), 1)
+        return (token_losses * mask).sum() / (num_tokens or mask.sum().item() or 1)
     if aggregation == "seq-mean":
         return ((token_losses * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_sequences
     if aggregation == "sum-max-len":
@@ -114,6 +119,14 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_hig
     loss = aggregate(torch.maximum(unclipped, clipped), mask, aggregation, **counts)
     clip_fraction = ((clipped > unclipped) & mask).sum() / mask.sum().clamp(min=1)
     return loss, clip_fraction
+
+
+def truncated_importance_weights(trainer_logprobs, engine_logprobs, mask, cap=2.0):
+    """Truncated importance sampling (Yao et al. 2025, as verl's rollout-IS): w_t = min(pi_trainer(y_t) /
+    pi_engine(y_t), cap) per token, 0 on padding. The rollout engine (vLLM) samples from a slightly different
+    distribution than the trainer computes; multiplying A_t by w_t > 0 equals multiplying the PPO-clip token loss by
+    it, clipping included."""
+    return torch.exp(trainer_logprobs - engine_logprobs).clamp(max=cap) * mask
 
 
 def k3_kl(logprobs, reference_logprobs):
@@ -135,25 +148,28 @@ def check_args(args):
 def main():
     args = common.parse_args(Args, TINY_PRESET)
     check_args(args)
+    device = common.init_device(args.device)  # under torchrun: joins the process group
     run_dir = common.run_directory(args, __file__)  # a clash with an existing run fails before any model loads
     resume_path = common.find_checkpoint(args.resume) if args.resume else None  # and so does a bad --resume path
     train_rows = common.load_rows(args.dataset, "train", n_builtin=65536, seed=args.seed, skip_bad_rows=args.skip_bad_rows)
     eval_sets = common.load_eval_sets(args.eval_datasets, args.eval_problems, args.skip_bad_rows)
     common.seed_everything(args.seed)
-    device = args.device or common.default_device()
-    policy, tokenizer = common.load_model(args.model, args.dtype, device, args.trust_remote_code)
+    policy, tokenizer = common.load_model(args.model, args.dtype, device, args.trust_remote_code,
+                                          gradient_checkpointing=args.gradient_checkpointing)
     reference = None
     if args.kl_coef > 0:
         reference = common.load_model(args.model, args.dtype, device, args.trust_remote_code)[0].requires_grad_(False)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=args.adam_betas, weight_decay=args.weight_decay)
     models, optimizers = {"policy": policy}, {"policy": optimizer}
-    generator = common.make_generator(args.generator, policy, tokenizer)
     logger = common.Logger(run_dir, args, args.tensorboard, args.wandb_project)
     start_step = common.load_checkpoint(resume_path, models, optimizers) if resume_path else 0
+    generator = common.make_generator(args.generator, policy, tokenizer, args.gpu_memory_utilization, args.seed)
+    truncated_is = args.truncated_is == "on" or (args.truncated_is == "auto" and generator.engine == "vllm")
     if args.eval_only:  # evaluate and exit, through the same code as the evaluations during training
         return common.run_eval_only(args, generator, tokenizer, eval_sets, logger, start_step)
     step, skipped_in_a_row, ctrl_c = start_step, 0, common.StopOnCtrlC()
-    progress = tqdm(range(start_step, args.steps), desc=os.path.basename(run_dir), initial=start_step, total=args.steps)
+    progress = tqdm(range(start_step, args.steps), desc=os.path.basename(run_dir), initial=start_step, total=args.steps,
+                    disable=common.rank() > 0)
     try:
         for step in progress:
             metrics, history = {}, defaultdict(list)
@@ -163,7 +179,7 @@ def main():
                 progress.write(common.eval_table(metrics))
             # 1. Rollout: G samples for each prompt.
             step_start = time.time()
-            rows = common.step_rows(train_rows, step, args.prompts_per_step, args.seed)
+            rows = common.rank_share(common.step_rows(train_rows, step, args.prompts_per_step, args.seed))  # this rank's prompts
             prompts = [common.prompt_ids(tokenizer, row["question"]) for row in rows]
             completions = generator.generate(prompts, args.samples_per_prompt, args.max_response_tokens,
                                              args.temperature, args.top_p)
@@ -176,21 +192,26 @@ def main():
             rollout_seconds = time.time() - step_start
             # 3. Old (and reference) log-probs recomputed by the trainer; advantages.
             old_logprobs = common.batched(lambda micro: common.response_logprobs(policy, micro, args.temperature),
-                                          batch, args.micro_batch_size)
+                                          batch, args.micro_batch_size, args.micro_batch_tokens)
             if reference is not None:
-                reference_logprobs = common.batched(
-                    lambda micro: common.response_logprobs(reference, micro, args.temperature), batch, args.micro_batch_size)
-            advantages = group_advantages(rewards, args.samples_per_prompt, args.advantage_scale).to(device)
+                reference_logprobs = common.batched(lambda micro: common.response_logprobs(reference, micro, args.temperature),
+                                                    batch, args.micro_batch_size, args.micro_batch_tokens)
+            advantages = common.rank_share(group_advantages(  # over the whole rollout: --advantage-scale batch needs it
+                common.gather_all(rewards), args.samples_per_prompt, args.advantage_scale)).to(device)
             token_advantages = advantages[:, None].expand_as(old_logprobs)
+            if truncated_is:  # A_t times min(pi_trainer / pi_engine, cap): the engine sampled the rollout
+                token_advantages = token_advantages * truncated_importance_weights(
+                    old_logprobs, common.engine_logprobs(completions, mask.shape[1]).to(device), mask, args.tis_cap)
+            generator.sleep()  # vLLM frees its GPU memory for the update (HF: nothing to free)
             # 4. Update: `mini_batches` optimizer steps per epoch, gradients accumulated over micro-batches.
             update_start = time.time()
             for _ in range(args.epochs):
                 order = torch.randperm(len(completions)).tolist()
                 for mini_batch in common.chunks(order, len(order) // args.mini_batches):
-                    counts = dict(num_sequences=len(mini_batch), num_tokens=int(mask[mini_batch].sum()),
+                    counts = dict(num_sequences=len(mini_batch), num_tokens=common.rank_mean(mask[mini_batch].sum()),
                                   max_length=args.max_response_tokens)
                     mini_batch_loss = 0.0
-                    for micro in common.chunks(mini_batch, args.micro_batch_size):
+                    for micro in common.micro_batches(mini_batch, batch.lengths(), args.micro_batch_size, args.micro_batch_tokens):
                         micro_batch = batch.select(micro)
                         micro_mask, width = micro_batch.response_mask, micro_batch.response_width
                         logprobs = common.response_logprobs(policy, micro_batch, args.temperature)

@@ -38,7 +38,8 @@ def build_model(name, device, dtype):
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen3ForCausalLM(Qwen3Config(**QWEN3_0_6B_SHAPE))
-    return model.to(getattr(torch, dtype))
+    model.compute_dtype = getattr(torch, dtype)  # as common.load_model: float32 weights, forward in `dtype` (autocast)
+    return model
 
 
 def random_batch(vocab, batch_size, prompt_length, response_length, device, seed=0):
@@ -80,7 +81,8 @@ def generate_tokens_per_second(model, args, vocab):
     inputs = dict(input_ids=prompts.input_ids[:, :-1], attention_mask=prompts.attention_mask[:, :-1])
     config = GenerationConfig(max_new_tokens=args.generate_tokens, min_new_tokens=args.generate_tokens, do_sample=True,
                               top_k=0, top_p=1.0, temperature=1.0, pad_token_id=0, eos_token_id=None)
-    with torch.no_grad():
+    dtype = model.compute_dtype  # as common.HFGenerator: float32 weights, autocast to the compute dtype
+    with torch.no_grad(), torch.autocast(model.device.type, dtype=dtype, enabled=dtype != torch.float32):
         seconds, _ = timed(lambda: model.generate(**inputs, generation_config=config), args.device, 1, 0)
     model.train()
     return args.generate_batch * args.generate_tokens / seconds
@@ -106,7 +108,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if cuda else "cpu", help="cpu or cuda")
     parser.add_argument("--models", nargs="+", default=["tiny", "qwen3-0.6b-shape"], help="tiny, qwen3-0.6b-shape")
-    parser.add_argument("--dtype", default="", help="parameter dtype (default: bfloat16 on GPU, float32 on CPU)")
+    parser.add_argument("--dtype", default="", help="compute dtype; weights stay float32, as in the trainers (default: bfloat16 on GPU, float32 on CPU)")
     parser.add_argument("--batch-size", type=int, default=0, help="sequences per update step (default: 2 CPU, 16 GPU)")
     parser.add_argument("--prompt-length", type=int, default=0, help="prompt tokens (default: 64 CPU, 256 GPU)")
     parser.add_argument("--response-length", type=int, default=0, help="response tokens (default: 192 CPU, 768 GPU)")

@@ -343,3 +343,64 @@ def test_grpo_args_tiny_preset_and_published_defaults():
     assert (real.steps, real.prompts_per_step, real.samples_per_prompt, real.lr) == (500, 64, 8, 1e-6)
     assert (real.clip_low, real.clip_high, real.mini_batches, real.max_response_tokens) == (0.2, 0.2, 2, 8192)
     assert (real.temperature, real.grad_clip, real.kl_coef, real.aggregation) == (1.0, 1.0, 0.0, "token-mean")
+    assert (real.truncated_is, real.tis_cap, real.gradient_checkpointing, real.micro_batch_tokens) == ("auto", 2.0, True, 0)
+    assert tiny.gradient_checkpointing is False  # the tiny demo needs no activation memory savings
+
+
+# ----------------------------------------------------------------------------------------------
+# Truncated importance sampling (engine/trainer mismatch), the same function in all six trainers.
+# ----------------------------------------------------------------------------------------------
+def test_truncated_importance_weights_hand_computed():
+    trainer = torch.tensor([[-1.0, -2.0, -0.5, -3.0]])
+    engine = torch.tensor([[-1.5, -1.0, -2.0, 0.0]])
+    mask = torch.tensor([[True, True, True, False]])
+    weights = grpo.truncated_importance_weights(trainer, engine, mask, cap=2.0)
+    # exp(0.5) = 1.648721; exp(-1) = 0.367879; exp(1.5) = 4.48 capped at 2; padding 0
+    assert torch.allclose(weights, torch.tensor([[1.648721, 0.367879, 2.0, 0.0]]), atol=1e-6)
+    assert torch.equal(grpo.truncated_importance_weights(engine, engine, mask), mask.float())  # no mismatch: 1
+
+
+def test_weighting_advantages_equals_weighting_the_clipped_token_loss():
+    # PPO-clip token loss max(-A r, -A clip(r)) times w > 0 equals the loss with advantage w A: clipping included
+    logprobs = torch.tensor([[0.4, -0.4, 0.1, 0.05, -0.3]])
+    advantages = torch.tensor([[1.0, -1.0, 2.0, -0.5, 1.5]])
+    weights = torch.tensor([[0.5, 2.0, 1.0, 0.25, 1.7]])
+    mask = torch.ones(1, 5, dtype=torch.bool)
+    ratio = logprobs.exp()
+    by_hand = (weights * torch.maximum(-advantages * ratio, -advantages * ratio.clamp(0.8, 1.2))).mean()
+    loss, _ = grpo.policy_loss(logprobs, torch.zeros(1, 5), advantages * weights, mask)
+    assert loss.item() == pytest.approx(by_hand.item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("trainer", ["ppo", "sp3o", "tppo", "sppo", "spo"])
+def test_truncated_importance_weights_are_the_same_in_every_trainer(trainer):
+    import importlib
+    import inspect
+    module = importlib.import_module(trainer)
+    assert inspect.getsource(module.truncated_importance_weights) == inspect.getsource(grpo.truncated_importance_weights)
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory of the update: gradient checkpointing and bf16 autocast change neither the values nor the gradients
+# beyond their numerics.
+# ----------------------------------------------------------------------------------------------
+def test_gradient_checkpointing_gives_the_same_logprobs_and_gradients(tiny_path, rollout):
+    batch = rollout[0]
+    results = []
+    for checkpointing in (False, True):
+        model = common.load_model(tiny_path, "float32", "cpu", gradient_checkpointing=checkpointing)[0]
+        logprobs = common.response_logprobs(model, batch)
+        (logprobs * batch.response_mask).sum().backward()
+        results.append((logprobs.detach(), model.model.layers[0].mlp.up_proj.weight.grad.clone()))
+        assert model.is_gradient_checkpointing == checkpointing
+    assert torch.allclose(results[0][0], results[1][0], atol=1e-6)
+    assert torch.allclose(results[0][1], results[1][1], atol=1e-6) and results[0][1].abs().sum() > 0
+
+
+def test_bf16_compute_keeps_float32_weights(tiny_path, rollout):
+    batch = rollout[0]
+    exact = common.load_model(tiny_path, "float32", "cpu")[0]
+    mixed = common.load_model(tiny_path, "bfloat16", "cpu")[0]
+    assert mixed.model.norm.weight.dtype == torch.float32 and mixed.compute_dtype == torch.bfloat16
+    gap = (common.response_logprobs(mixed, batch) - common.response_logprobs(exact, batch))[batch.response_mask]
+    assert 0 < gap.abs().median() < 0.01 and gap.abs().max() < 0.5  # bf16 numerics: close, not equal (autocast ran)
