@@ -300,6 +300,9 @@ def load_model(name_or_path, dtype="auto", device=None, trust_remote_code=False,
         model.resize_token_embeddings(len(tokenizer))
     model.config.pad_token_id = tokenizer.pad_token_id
     model.compute_dtype, model.architecture = getattr(torch, dtype), type(model).__name__
+    for module in model.modules():  # no dropout in RL (as verl): the value head's classifier_dropout defaults to 0.1
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
     if gradient_checkpointing:  # recompute each layer's activations in backward (HF checkpoints in train mode only)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # transformers < 6
         model.train()

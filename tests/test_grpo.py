@@ -393,6 +393,8 @@ def test_gradient_checkpointing_gives_the_same_logprobs_and_gradients(tiny_path,
         (logprobs * batch.response_mask).sum().backward()
         results.append((logprobs.detach(), model.model.layers[0].mlp.up_proj.weight.grad.clone()))
         assert model.is_gradient_checkpointing == checkpointing
+    critic = common.load_model(tiny_path, "float32", "cpu", value_head=1, gradient_checkpointing=True)[0]
+    assert critic.training and critic.dropout.p == 0  # train mode for checkpointing, but no classifier dropout
     assert torch.allclose(results[0][0], results[1][0], atol=1e-6)
     assert torch.allclose(results[0][1], results[1][1], atol=1e-6) and results[0][1].abs().sum() > 0
 
