@@ -1495,12 +1495,8 @@ def _save_sharded(directory, models, optimizers, tokenizer):
     """The shards of every model and optimizer (DCP; one process writes one shard), and a whole HF-format copy of
     each model, gathered to rank 0."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
-    sharded = {}
-    for name, model in models.items():
-        model_state, optimizer_state = get_state_dict(model, optimizers[name])
-        sharded[name] = {"model": model_state, "optimizer": optimizer_state}
-    dcp.save(sharded, checkpoint_id=os.path.join(directory, "sharded"))
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    dcp.save(_sharded_state(models, optimizers), checkpoint_id=os.path.join(directory, "sharded"))
     for name, model in models.items():
         whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) \
             if distributed() else None  # None: save_pretrained takes the model's own
@@ -1509,6 +1505,12 @@ def _save_sharded(directory, models, optimizers, tokenizer):
             model.config.architectures = [getattr(model, "architecture", type(model).__name__)]  # not FSDP's class
             model.config.save_pretrained(os.path.join(directory, name))
             tokenizer.save_pretrained(os.path.join(directory, name))
+
+
+def _sharded_state(models, optimizers):
+    """{name: {"model": ..., "optimizer": ...}}: this rank's shards (whole tensors in one process), keyed by name."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    return {name: dict(zip(("model", "optimizer"), get_state_dict(model, optimizers[name]))) for name, model in models.items()}
 
 
 def _rng_state():
@@ -1579,11 +1581,8 @@ def load_checkpoint(path, models, optimizers):
         raise UserError(f"--resume {path!r}: saved by a trainer with models {saved_models}, this one has {sorted(optimizers)}")
     if os.path.isdir(os.path.join(path, "sharded")):
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-        sharded = {}
-        for name, model in models.items():
-            model_state, optimizer_state = get_state_dict(model, optimizers[name])
-            sharded[name] = {"model": model_state, "optimizer": optimizer_state}
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+        sharded = _sharded_state(models, optimizers)
         try:
             dcp.load(sharded, checkpoint_id=os.path.join(path, "sharded"))
         except (Exception, dcp.api.CheckpointException) as error:  # a BaseException: it wraps a missing or misshapen tensor
