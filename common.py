@@ -1111,10 +1111,8 @@ def step_rows(rows, step, count, seed):
 def rollout_metrics(completions, rewards, trainer_logprobs, mask):
     """Reward, length and truncation of a rollout, and the gap between the rollout engine's log-probs and
     the trainer's (they differ by numerics, and by design when top-p < 1)."""
-    engine_logprobs = torch.zeros_like(trainer_logprobs)
-    for row, completion in enumerate(completions):
-        engine_logprobs[row, :len(completion.logprobs)] = torch.tensor(completion.logprobs)
-    gap = (engine_logprobs - trainer_logprobs).abs()[mask]
+    engine = engine_logprobs(completions, trainer_logprobs.shape[1]).to(trainer_logprobs.device)
+    gap = (engine - trainer_logprobs).abs()[mask]
     return {"reward": rewards.mean().item(), "accuracy": (rewards > 0).float().mean().item(),
             "response_length": mask.sum().item() / len(completions),
             "truncated": sum(c.finish_reason == "length" for c in completions) / len(completions),
@@ -1454,9 +1452,9 @@ def save_checkpoint(run_dir, step, models, optimizers, tokenizer, keep=2):
     """runs/<run>/checkpoints/step_<n>/{sharded/, <name>/, rng_rank<r>.pt, trainer_state.pt}: sharded/ holds the
     weights and optimizer states (torch.distributed.checkpoint: each rank writes its shards, and a resume may use
     any number of ranks); <name>/ a whole HF-format copy of each model (for --eval-only, vLLM and export).
-    Written to a staging directory, flushed, then renamed: a kill at any moment leaves the previous checkpoints whole. Keeps the last `keep`; a saved step also
-    removes later steps (left by a run resumed from an earlier checkpoint). Every rank calls it; the directory
-    must be one filesystem seen by all (multi-node: a shared one)."""
+    Written to a staging directory, flushed, then renamed: a kill at any moment leaves the previous checkpoints
+    whole. Keeps the last `keep`; a saved step also removes later steps (left by a run resumed from an earlier
+    checkpoint). Every rank calls it; the directory must be one filesystem seen by all (multi-node: a shared one)."""
     root = os.path.join(run_dir, "checkpoints")
     final, staging = os.path.join(root, f"step_{step:06d}"), os.path.join(root, f".staging_{step:06d}")
     if rank() == 0:
@@ -1467,7 +1465,7 @@ def save_checkpoint(run_dir, step, models, optimizers, tokenizer, keep=2):
     # DCP's state-dict API gives a never-stepped optimizer (the actor during critic warm-up) state by a step at lr 0,
     # Adam's step count included: it is emptied again here and after loading, so a resumed run stays exact
     fresh = [name for name, optimizer in optimizers.items() if not optimizer.state]
-    state = {"step": step, "models": sorted(models), "world_size": world_size(), "fresh_optimizers": fresh}
+    state = {"step": step, "models": sorted(models), "fresh_optimizers": fresh}
     _save_sharded(staging, models, optimizers, tokenizer)
     for name in fresh:
         optimizers[name].state.clear()

@@ -50,7 +50,7 @@ class Args:
     micro_batch_tokens: int = 0  # pack micro-batches by padded tokens per forward instead, longest first (0: off)
     gradient_checkpointing: bool = True  # recompute activations in the backward pass (less memory, ~30% slower)
     grad_clip: float = 1.0  # max global gradient norm (published: 1.0)
-    truncated_is: Literal["auto", "on", "off"] = "auto"  # truncated importance sampling of the engine/trainer mismatch (auto: on with vLLM)
+    truncated_is: Literal["auto", "on", "off"] = "auto"  # correct the engine/trainer mismatch (auto: on with vLLM)
     tis_cap: float = 2.0  # cap of the truncated importance weights (published: 2.0, SP3O's released setting)
     clip_low: float = 0.2  # PPO clip epsilon below 1 (published: 0.2)
     clip_high: float = 0.2  # PPO clip epsilon above 1 (0.28 is DAPO's clip-higher; published default 0.2)
@@ -74,8 +74,8 @@ class Args:
 # The CPU demo: small batches, a higher learning rate (5e-5 to 1e-4 is the safe range for the tiny model),
 # greedy evaluation on 256 held-out problems.
 TINY_PRESET = dict(steps=60, prompts_per_step=16, max_response_tokens=48, lr=1e-4, micro_batch_size=64,
-                   eval_every=0, eval_problems=256, eval_n=1, eval_temperature=0.0, eval_top_p=1.0,
-                   eval_max_tokens=48, save_every=0, gradient_checkpointing=False)
+                   eval_every=0, eval_problems=256, eval_n=1, eval_temperature=0.0, eval_top_p=1.0, gradient_checkpointing=False,
+                   eval_max_tokens=48, save_every=0)
 
 
 def group_advantages(rewards, group_size, scale="group", eps=1e-6):

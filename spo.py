@@ -66,7 +66,7 @@ class Args:
     micro_batch_tokens: int = 0  # pack micro-batches by padded tokens per forward instead, longest first (0: off)
     gradient_checkpointing: bool = True  # recompute activations in the backward pass (less memory, ~30% slower)
     grad_clip: float = 1.0  # max global gradient norm (published: 1.0)
-    truncated_is: Literal["auto", "on", "off"] = "auto"  # truncated importance sampling of the engine/trainer mismatch (auto: on with vLLM)
+    truncated_is: Literal["auto", "on", "off"] = "auto"  # correct the engine/trainer mismatch (auto: on with vLLM)
     tis_cap: float = 2.0  # cap of the truncated importance weights (published: 2.0, SP3O's released setting)
     clip_low: float = 0.2  # PPO clip epsilon below 1 (published: 0.2)
     clip_high: float = 0.2  # PPO clip epsilon above 1 (0.28 is DAPO's clip-higher; published default 0.2)
@@ -90,8 +90,8 @@ class Args:
 # greedy evaluation on 256 held-out problems. The tiny model is sure of most tokens (about 1.2 with p < 0.9 per
 # response at temperature 0.6): a cutpoint before every one of them (interval 1), K = 4; tree: 3 x 3 x 3 of 12 tokens.
 TINY_PRESET = dict(steps=60, prompts_per_step=16, max_response_tokens=48, lr=1e-4, micro_batch_size=64,
-                   eval_every=0, eval_problems=256, eval_n=1, eval_temperature=0.0, eval_top_p=1.0,
-                   eval_max_tokens=48, save_every=0, gradient_checkpointing=False, cut_interval=1, mc_samples=4, tree_branching=3,
+                   eval_every=0, eval_problems=256, eval_n=1, eval_temperature=0.0, eval_top_p=1.0, gradient_checkpointing=False,
+                   eval_max_tokens=48, save_every=0, cut_interval=1, mc_samples=4, tree_branching=3,
                    tree_segment_tokens=12)
 
 

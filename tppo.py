@@ -56,7 +56,7 @@ class Args:
     micro_batch_tokens: int = 0  # pack micro-batches by padded tokens per forward instead, longest first (0: off)
     gradient_checkpointing: bool = True  # recompute activations in the backward pass (less memory, ~30% slower)
     grad_clip: float = 1.0  # max global gradient norm (published: 1.0)
-    truncated_is: Literal["auto", "on", "off"] = "auto"  # truncated importance sampling of the engine/trainer mismatch (auto: on with vLLM)
+    truncated_is: Literal["auto", "on", "off"] = "auto"  # correct the engine/trainer mismatch (auto: on with vLLM)
     tis_cap: float = 2.0  # cap of the truncated importance weights (published: 2.0, SP3O's released setting)
     clip_low: float = 0.2  # PPO clip epsilon below 1 (published: 0.2)
     clip_high: float = 0.2  # PPO clip epsilon above 1 (0.28 is DAPO's clip-higher; published default 0.2)
@@ -91,8 +91,8 @@ class Args:
 # The CPU demo: small batches, a higher learning rate (5e-5 to 1e-4 is the safe range for the tiny model),
 # greedy evaluation on 256 held-out problems.
 TINY_PRESET = dict(steps=60, prompts_per_step=16, max_response_tokens=48, lr=1e-4, critic_lr=5e-4, micro_batch_size=64,
-                   eval_every=0, eval_problems=256, eval_n=1, eval_temperature=0.0, eval_top_p=1.0,
-                   eval_max_tokens=48, save_every=0, gradient_checkpointing=False)
+                   eval_every=0, eval_problems=256, eval_n=1, eval_temperature=0.0, eval_top_p=1.0, gradient_checkpointing=False,
+                   eval_max_tokens=48, save_every=0)
 
 
 def gae(rewards, values, mask, gamma=1.0, lam=1.0):
@@ -212,9 +212,9 @@ def main():
     if args.kl_coef > 0:
         reference = common.load_model(args.model, args.dtype, device, args.trust_remote_code)[0].requires_grad_(False)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=args.adam_betas, weight_decay=args.weight_decay)
-    critic = common.load_model(args.critic_model or args.model, args.dtype, device, args.trust_remote_code,  # separate:
-                               value_head=2 if args.critic_head == "separate" else 1,  # a second output reads z_0
-                               gradient_checkpointing=args.gradient_checkpointing)[0]
+    critic_outputs = 2 if args.critic_head == "separate" else 1  # separate: a second output reads z_0
+    critic = common.load_model(args.critic_model or args.model, args.dtype, device, args.trust_remote_code,
+                               value_head=critic_outputs, gradient_checkpointing=args.gradient_checkpointing)[0]
     torch.nn.init.zeros_(critic.score.weight)  # start at z_t = 0: every V_t = 1/2
     torch.nn.init.zeros_(critic.score.bias)
     critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, betas=args.adam_betas,
@@ -262,7 +262,7 @@ def main():
                 reference_logprobs = common.batched(lambda micro: common.response_logprobs(reference, micro, args.temperature),
                                                     batch, args.micro_batch_size, args.micro_batch_tokens)
             old_values = torch.sigmoid(common.batched(lambda micro: critic_logits(critic, micro, args.critic_head), batch,
-                                                      args.micro_batch_size))
+                                                      args.micro_batch_size, args.micro_batch_tokens))
             token_rewards = terminal_rewards(rewards, mask)
             token_advantages = gae(token_rewards, old_values, mask, args.gamma, args.lam_actor)[0]
             returns = gae(token_rewards, old_values, mask, args.gamma, args.lam_critic)[1]
