@@ -28,11 +28,10 @@ Per map size and seed (each seed draws its own map, data and critic initialisati
 - Network-free check: each cell's mean outcome over all visits, or over anchor visits only, against V^pi.
   Anchors sit at fractions of the finished length T, so choosing them looks into the future.
 """
-import argparse
 import csv
 import os
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import gymnasium as gym
 import numpy as np
@@ -40,6 +39,7 @@ import torch
 from gymnasium.envs.toy_text.frozen_lake import generate_random_map
 from tqdm import tqdm
 
+import infra.run
 from sp3o import anchor_positions
 
 CRITICS = ("dense", "anchors", "tracking")
@@ -47,6 +47,7 @@ CRITICS = ("dense", "anchors", "tracking")
 
 @dataclass
 class Args:
+    """Value flattening in a slippery FrozenLake, against exact values."""
     sizes: list[int] = field(default_factory=lambda: [4, 8, 16])  # map side lengths
     seeds: int = 3  # seeds 0..seeds-1; each draws its own map, data and initialisation
     steps: int = 1500  # Adam steps per critic (the same for all three)
@@ -62,15 +63,6 @@ class Args:
     sign_min_change: float = 0.01  # smallest exact value change kept by the sign accuracy
     threads: int = 1  # torch CPU threads
     out_dir: str = "runs/frozenlake"  # where the table, CSV and figure go
-
-
-def parse_args():
-    parser, defaults = argparse.ArgumentParser(description=__doc__.splitlines()[0]), Args()
-    for f in fields(Args):
-        many = f.name == "sizes"
-        parser.add_argument("--" + f.name.replace("_", "-"), type=int if many else f.type,
-                            nargs="+" if many else None, default=getattr(defaults, f.name))
-    return Args(**vars(parser.parse_args()))
 
 
 def make_map(size, seed, hole_fraction=0.1):
@@ -330,7 +322,7 @@ def plot_maps(maps_by_size, desc_by_size, path):
 
 
 def main():
-    args = parse_args()
+    args = infra.run.parse_args(Args)
     torch.set_num_threads(args.threads)
     os.makedirs(args.out_dir, exist_ok=True)
     start = time.time()

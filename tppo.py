@@ -11,35 +11,23 @@ valid token. With lambda_critic = 1 (the default) every target is the outcome R.
 
 Usage: `python <this file>` runs the built-in CPU demo; `--model Qwen3-4B-Base --dataset train.parquet` a real run.
 """
-import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from tqdm import tqdm
 
 import common
+import infra.dist
+import infra.evaluate
+import infra.probes
+import infra.run
 
 
 @dataclass
-class Args:
-    """Command-line flags. Defaults are the published settings (../shared/METHODS.md); --model tiny uses TINY_PRESET."""
-    model: str = "tiny"  # policy: `tiny` (built-in CPU demo), a hub name (Qwen3-4B-Base) or a local path
-    dataset: str = "builtin"  # training problems: `builtin`, a .jsonl/.json/.parquet file or a hub dataset id
-    eval_datasets: tuple[str, ...] = ("builtin",)  # held-out sets: .jsonl/.json/.parquet files, hub ids or `builtin`
-    eval_only: bool = False  # evaluate --model (a hub model or a checkpoint's policy/ directory) and exit
-    steps: int = 500  # rollout iterations
-    seed: int = 0  # seed of data order, sampling and initialization
-    run_name: str = ""  # metrics and checkpoints go to <output-dir>/<run-name>/ (default: <method>_<model>_s<seed>_<time>)
-    output_dir: str = "runs"  # parent directory of runs
-    resume: str = ""  # continue from a checkpoint directory (runs/<run>/checkpoints/step_N) or a run directory
-    generator: Literal["auto", "hf", "vllm"] = "auto"  # rollout engine (auto: vLLM when it imports and CUDA is there)
-    device: str = ""  # torch device (default: cuda when available, else cpu)
-    dtype: str = "auto"  # compute dtype (auto: bfloat16 on GPU, float32 on CPU); weights stay float32
-    gpu_memory_utilization: float = 0.3  # share of GPU memory for the colocated vLLM engine (asleep during the update)
-    trust_remote_code: bool = False  # allow custom model code from the hub (off: never run downloaded code)
+class Args(infra.run.RunArgs):
+    """TPPO's knobs, each with its published value beside it (flags of every trainer: infra.run.RunArgs)."""
     prompts_per_step: int = 64  # prompts per rollout (published: 64)
     samples_per_prompt: int = 8  # G, samples per prompt (published: 8)
     critic_model: str = ""  # critic backbone (default: the policy's base model; a smaller one works too)
@@ -52,9 +40,6 @@ class Args:
     adam_betas: tuple[float, ...] = (0.9, 0.98)  # AdamW betas (published: 0.9, 0.98, SP3O's PPO baseline)
     mini_batches: int = 2  # optimizer steps per rollout per epoch (published: 2)
     epochs: int = 1  # passes over each rollout
-    micro_batch_size: int = 8  # sequences per forward/backward; gradients accumulate up to a mini-batch
-    micro_batch_tokens: int = 0  # pack micro-batches by padded tokens per forward instead, longest first (0: off)
-    gradient_checkpointing: bool = True  # recompute activations in the backward pass (less memory, ~30% slower)
     grad_clip: float = 1.0  # max global gradient norm (published: 1.0)
     truncated_is: Literal["auto", "on", "off"] = "auto"  # correct the engine/trainer mismatch (auto: on with vLLM)
     tis_cap: float = 2.0  # cap of the truncated importance weights (published: 2.0, SP3O's released setting)
@@ -74,25 +59,11 @@ class Args:
     probe_continuations: int = 8  # K, Monte Carlo continuations per probed state (prompt, 30/60/90% of the response)
     aggregation: Literal["token-mean", "seq-mean", "sum-max-len"] = "token-mean"  # loss reduction (sum-max-len: Dr. GRPO)
     kl_coef: float = 0.0  # beta of the k3 KL to a frozen reference (0: no reference model is loaded)
-    eval_every: int = 50  # evaluate every N steps (and always at the first and last step; 0: only those)
-    eval_problems: int = 0  # held-out problems per evaluation (0: all)
-    eval_n: int = 32  # samples per held-out problem for avg@n and pass@k (published: 32)
-    eval_temperature: float = 1.0  # evaluation temperature (published: 1.0; 0 is greedy)
-    eval_top_p: float = 0.95  # evaluation nucleus sampling (published: 0.95)
-    eval_max_tokens: int = 8192  # evaluation response length limit
-    skip_bad_rows: bool = False  # skip malformed dataset rows (reported as a count) instead of stopping
-    max_skipped_updates: int = 5  # stop after this many non-finite updates in a row (a checkpoint is saved)
-    save_every: int = 50  # checkpoint every N steps, and at the end (0: only at the end)
-    keep_checkpoints: int = 2  # how many recent checkpoints to keep
-    tensorboard: bool = False  # also log to TensorBoard in the run directory
-    wandb_project: str = ""  # also log to this Weights & Biases project
 
 
 # The CPU demo: small batches, a higher learning rate (5e-5 to 1e-4 is the safe range for the tiny model),
 # greedy evaluation on 256 held-out problems.
-TINY_PRESET = dict(steps=60, prompts_per_step=16, max_response_tokens=48, lr=1e-4, critic_lr=5e-4, micro_batch_size=64,
-                   eval_every=0, eval_problems=256, eval_n=1, eval_temperature=0.0, eval_top_p=1.0, gradient_checkpointing=False,
-                   eval_max_tokens=48, save_every=0)
+TINY_PRESET = dict(prompts_per_step=16, max_response_tokens=48, lr=1e-4, critic_lr=5e-4)
 
 
 def gae(rewards, values, mask, gamma=1.0, lam=1.0):
@@ -114,8 +85,8 @@ def gae(rewards, values, mask, gamma=1.0, lam=1.0):
 
 def whiten(values, mask, eps=1e-8):
     """(x - mean) / std over the valid tokens (verl's masked_whiten); padding stays 0."""
-    valid = common.gather_all(values[mask])  # the valid tokens of every rank
-    return ((values - valid.mean()) / (valid.std(correction=int(valid.numel() > 1)) + eps)) * mask  # one token: 0, not NaN
+    mean, std = infra.dist.mean_std(values[mask])  # over the valid tokens of every rank; one token: std 0
+    return (values - mean) / (std + eps) * mask
 
 
 def terminal_rewards(rewards, mask):
@@ -193,155 +164,121 @@ def check_args(args):
     rollout_size = args.prompts_per_step * args.samples_per_prompt
     mini_batch_size = rollout_size // args.mini_batches
     if rollout_size % args.mini_batches or not mini_batch_size or mini_batch_size % min(args.micro_batch_size, mini_batch_size):
-        raise common.UserError(f"a rollout of {rollout_size} samples does not split into {args.mini_batches} "
+        raise infra.UserError(f"a rollout of {rollout_size} samples does not split into {args.mini_batches} "
                                f"mini-batches of whole micro-batches of {args.micro_batch_size}")
 
 
 def main():
-    args = common.parse_args(Args, TINY_PRESET)
+    args = infra.run.parse_args(Args, TINY_PRESET)
     check_args(args)
-    device = common.init_device(args.device)  # under torchrun: joins the process group
-    run_dir = common.run_directory(args, __file__)  # a clash with an existing run fails before any model loads
-    resume_path = common.find_checkpoint(args.resume) if args.resume else None  # and so does a bad --resume path
-    train_rows = common.load_rows(args.dataset, "train", n_builtin=65536, seed=args.seed, skip_bad_rows=args.skip_bad_rows)
-    eval_sets = common.load_eval_sets(args.eval_datasets, args.eval_problems, args.skip_bad_rows)
-    common.seed_everything(args.seed)
-    policy, tokenizer = common.load_model(args.model, args.dtype, device, args.trust_remote_code,
+    run = infra.run.Run(args, __file__)  # device, run folder, data: bad input fails here, before any model loads
+    policy, tokenizer = common.load_model(args.model, args.dtype, run.device, args.trust_remote_code,
                                           gradient_checkpointing=args.gradient_checkpointing)
     reference = None
     if args.kl_coef > 0:
-        reference = common.load_model(args.model, args.dtype, device, args.trust_remote_code)[0].requires_grad_(False)
+        reference = common.load_model(args.model, args.dtype, run.device, args.trust_remote_code)[0].requires_grad_(False)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=args.adam_betas, weight_decay=args.weight_decay)
     critic_outputs = 2 if args.critic_head == "separate" else 1  # separate: a second output reads z_0
-    critic = common.load_model(args.critic_model or args.model, args.dtype, device, args.trust_remote_code,
+    critic = common.load_model(args.critic_model or args.model, args.dtype, run.device, args.trust_remote_code,
                                value_head=critic_outputs, gradient_checkpointing=args.gradient_checkpointing)[0]
     torch.nn.init.zeros_(critic.score.weight)  # start at z_t = 0: every V_t = 1/2
     torch.nn.init.zeros_(critic.score.bias)
     critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, betas=args.adam_betas,
                                          weight_decay=args.weight_decay)
     models, optimizers = {"policy": policy, "critic": critic}, {"policy": optimizer, "critic": critic_optimizer}
-    logger = common.Logger(run_dir, args, args.tensorboard, args.wandb_project)
-    start_step = common.load_checkpoint(resume_path, models, optimizers) if resume_path else 0
-    generator = common.make_generator(args.generator, policy, tokenizer, args.gpu_memory_utilization, args.seed)
-    truncated_is = args.truncated_is == "on" or (args.truncated_is == "auto" and generator.engine == "vllm")
+    generator = run.start(models, optimizers, tokenizer)  # logs, --resume's checkpoint, the rollout engine
     if args.eval_only:  # evaluate and exit, through the same code as the evaluations during training
-        return common.run_eval_only(args, generator, tokenizer, eval_sets, logger, start_step)
-    step, skipped_in_a_row, ctrl_c = start_step, 0, common.StopOnCtrlC()
-    progress = tqdm(range(start_step, args.steps), desc=os.path.basename(run_dir), initial=start_step, total=args.steps,
-                    disable=common.rank() > 0)
-    try:
-        for step in progress:
-            metrics, history = {}, defaultdict(list)
-            if step == start_step or (args.eval_every and step % args.eval_every == 0):
-                metrics.update(common.evaluate(generator, tokenizer, eval_sets, args.eval_n, args.eval_max_tokens,
-                                               args.eval_temperature, args.eval_top_p))
-                progress.write(common.eval_table(metrics))
-            if args.probe_every and step % args.probe_every == 0:  # critic vs Monte Carlo values (SP3O, TPPO diagnostics)
-                metrics.update(common.probe_critic(
-                    generator, tokenizer, next(iter(eval_sets.values())),
-                    lambda micro: torch.sigmoid(critic_logits(critic, micro, args.critic_head)),
-                    critic, args.probe_prompts, args.probe_continuations, args.max_response_tokens, args.temperature,
-                    args.top_p, device, args.micro_batch_size, args.seed))
-            # 1. Rollout: G samples for each prompt.
-            step_start = time.time()
-            rows = common.rank_share(common.step_rows(train_rows, step, args.prompts_per_step, args.seed))  # this rank's prompts
-            prompts = [common.prompt_ids(tokenizer, row["question"]) for row in rows]
-            completions = generator.generate(prompts, args.samples_per_prompt, args.max_response_tokens,
-                                             args.temperature, args.top_p)
-            # 2. Reward: 1 for a correct final answer, 0 otherwise and for a truncated response.
-            rewards = torch.tensor([common.verify(c.text, rows[c.prompt_index]["answer"])
-                                    if c.finish_reason == "stop" else 0.0 for c in completions])
-            batch = common.sequence_batch([prompts[c.prompt_index] for c in completions],
-                                          [c.token_ids for c in completions], tokenizer.pad_token_id).to(device)
-            mask = batch.response_mask
-            rollout_seconds = time.time() - step_start
-            # 3. Old (and reference) log-probs recomputed by the trainer; advantages.
-            old_logprobs = common.batched(lambda micro: common.response_logprobs(policy, micro, args.temperature),
-                                          batch, args.micro_batch_size, args.micro_batch_tokens)
-            if reference is not None:
-                reference_logprobs = common.batched(lambda micro: common.response_logprobs(reference, micro, args.temperature),
-                                                    batch, args.micro_batch_size, args.micro_batch_tokens)
-            old_values = torch.sigmoid(common.batched(lambda micro: critic_logits(critic, micro, args.critic_head), batch,
-                                                      args.micro_batch_size, args.micro_batch_tokens))
-            token_rewards = terminal_rewards(rewards, mask)
-            token_advantages = gae(token_rewards, old_values, mask, args.gamma, args.lam_actor)[0]
+        return run.evaluate_only()
+    truncated_is = args.truncated_is == "on" or (args.truncated_is == "auto" and generator.engine == "vllm")
+    for step, metrics in run.steps():  # metrics starts with the held-out evaluation when one is due
+        history = defaultdict(list)
+        if args.probe_every and step % args.probe_every == 0:  # critic vs Monte Carlo values (SP3O, TPPO diagnostics)
+            metrics.update(infra.probes.probe_critic(generator, tokenizer, run.probe_rows,
+                lambda micro: torch.sigmoid(critic_logits(critic, micro, args.critic_head)), args,
+                critic, run.device))
+        # 1. Rollout: G samples for each prompt.
+        step_start = time.time()
+        rows = run.training_rows(step)  # this rank's prompts
+        prompts = [common.prompt_ids(tokenizer, row["question"]) for row in rows]
+        completions = generator.generate(prompts, args.samples_per_prompt, args.max_response_tokens,
+                                         args.temperature, args.top_p)
+        # 2. Reward: 1 for a correct final answer, 0 otherwise and for a truncated response.
+        rewards = torch.tensor([common.verify(c.text, rows[c.prompt_index]["answer"])
+                                if c.finish_reason == "stop" else 0.0 for c in completions])
+        batch = common.sequence_batch([prompts[c.prompt_index] for c in completions],
+                                      [c.token_ids for c in completions], tokenizer.pad_token_id).to(run.device)
+        mask = batch.response_mask
+        rollout_seconds = time.time() - step_start
+        # 3. Old (and reference) log-probs recomputed by the trainer; advantages.
+        old_logprobs = common.batched(lambda micro: common.response_logprobs(policy, micro, args.temperature),
+                                      batch, args.micro_batch_size, args.micro_batch_tokens)
+        if reference is not None:
+            reference_logprobs = common.batched(lambda micro: common.response_logprobs(reference, micro, args.temperature),
+                                                batch, args.micro_batch_size, args.micro_batch_tokens)
+        old_values = torch.sigmoid(common.batched(lambda micro: critic_logits(critic, micro, args.critic_head), batch,
+                                                  args.micro_batch_size, args.micro_batch_tokens))
+        token_rewards = terminal_rewards(rewards, mask)
+        token_advantages, returns = gae(token_rewards, old_values, mask, args.gamma, args.lam_actor)
+        if args.lam_critic != args.lam_actor:  # decoupled lambdas (VC-PPO): the critic's returns need their own pass
             returns = gae(token_rewards, old_values, mask, args.gamma, args.lam_critic)[1]
-            metrics["explained_variance"] = common.explained_variance(old_values, returns, mask)
-            if args.whiten_advantages:
-                token_advantages = whiten(token_advantages, mask)
-            actor_frozen = step < args.critic_warmup  # critic warm-up: the actor waits
-            if truncated_is:  # A_t times min(pi_trainer / pi_engine, cap): the engine sampled the rollout
-                token_advantages = token_advantages * truncated_importance_weights(
-                    old_logprobs, common.engine_logprobs(completions, mask.shape[1]).to(device), mask, args.tis_cap)
-            generator.sleep()  # vLLM frees its GPU memory for the update (HF: nothing to free)
-            # 4. Update: `mini_batches` optimizer steps per epoch, gradients accumulated over micro-batches.
-            update_start = time.time()
-            for _ in range(args.epochs):
-                order = torch.randperm(len(completions)).tolist()
-                for mini_batch in common.chunks(order, len(order) // args.mini_batches):
-                    counts = dict(num_sequences=len(mini_batch), num_tokens=common.rank_mean(mask[mini_batch].sum()),
-                                  max_length=args.max_response_tokens)
-                    mini_batch_loss = mini_batch_value_loss = 0.0
-                    for micro in common.micro_batches(mini_batch, batch.lengths(), args.micro_batch_size, args.micro_batch_tokens):
-                        micro_batch = batch.select(micro)
-                        micro_mask, width = micro_batch.response_mask, micro_batch.response_width
-                        logprobs = common.response_logprobs(policy, micro_batch, args.temperature)
-                        loss, clip_fraction = policy_loss(logprobs, old_logprobs[micro, :width],
-                                                          token_advantages[micro, :width], micro_mask,
-                                                          args.clip_low, args.clip_high, args.aggregation, **counts)
-                        if reference is not None:
-                            kl = k3_kl(logprobs, reference_logprobs[micro, :width])
-                            loss = loss + args.kl_coef * aggregate(kl, micro_mask, args.aggregation, **counts)
-                        if not actor_frozen:
-                            loss.backward()
-                        value_logits = critic_logits(critic, micro_batch, args.critic_head)
-                        critic_loss = value_loss(value_logits, returns[micro, :width], micro_mask, **counts)
-                        critic_loss.backward()
-                        mini_batch_loss += loss.item()
-                        mini_batch_value_loss += critic_loss.item()
-                        history["clip_fraction"].append(clip_fraction.item())
-                        history["approx_kl"].append(k3_kl(old_logprobs[micro, :width], logprobs.detach())[micro_mask].mean().item())
-                    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
-                    critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip)
-                    finite = bool(torch.isfinite(grad_norm) & torch.isfinite(critic_grad_norm))
-                    if finite:  # a non-finite gradient skips the step, weights untouched
-                        optimizer.step()
-                        critic_optimizer.step()
-                    skipped_in_a_row = 0 if finite else skipped_in_a_row + 1
-                    history["skipped_updates"].append(float(not finite))
-                    optimizer.zero_grad(set_to_none=True)
-                    critic_optimizer.zero_grad(set_to_none=True)
-                    if skipped_in_a_row >= args.max_skipped_updates:
-                        path = common.save_checkpoint(run_dir, step, models, optimizers, tokenizer, args.keep_checkpoints)
-                        raise common.UserError(f"{skipped_in_a_row} non-finite updates in a row at step {step}; "
-                                               f"the last good state is saved in {path}")
-                    history["policy_loss"].append(mini_batch_loss)
-                    history["grad_norm"].append(grad_norm.item())
-                    history["value_loss"].append(mini_batch_value_loss)
-                    history["critic_grad_norm"].append(critic_grad_norm.item())
-            generator.sync_weights(policy)
-            update_seconds = time.time() - update_start
-            # 5. Log; evaluate after the last update; checkpoint.
-            response_tokens = int(mask.sum())
-            metrics.update({key: sum(values) / len(values) for key, values in history.items()})
-            metrics.update(common.rollout_metrics(completions, rewards, old_logprobs, mask),
-                           rollout_s=rollout_seconds, update_s=update_seconds,
-                           tokens_per_s=response_tokens / (rollout_seconds + update_seconds))
-            if step == args.steps - 1:
-                metrics.update(common.evaluate(generator, tokenizer, eval_sets, args.eval_n, args.eval_max_tokens,
-                                               args.eval_temperature, args.eval_top_p))
-                progress.write(common.eval_table(metrics))
-            logger.log(step, metrics, progress.write)
-            if args.save_every and (step + 1) % args.save_every == 0 or step == args.steps - 1 or ctrl_c.requested:
-                common.save_checkpoint(run_dir, step + 1, models, optimizers, tokenizer, args.keep_checkpoints)
-            if ctrl_c.requested:  # Ctrl-C: stop after a whole step, saved above
-                progress.write(f"stopped after step {step}; continue with --resume {run_dir}")
-                break
-    except KeyboardInterrupt:  # a second Ctrl-C: stop at once; the latest checkpoint is whole
-        progress.write(f"interrupted: not saved; continue from the latest checkpoint with --resume {run_dir}")
-    finally:
-        ctrl_c.restore()
+        metrics["explained_variance"] = infra.probes.explained_variance(old_values, returns, mask)
+        if args.whiten_advantages:
+            token_advantages = whiten(token_advantages, mask)
+        actor_frozen = step < args.critic_warmup  # critic warm-up: the actor waits
+        if truncated_is:  # A_t times min(pi_trainer / pi_engine, cap): the engine sampled the rollout
+            token_advantages = token_advantages * truncated_importance_weights(
+                old_logprobs, common.engine_logprobs(completions, mask.shape[1]).to(run.device), mask, args.tis_cap)
+        generator.sleep()  # vLLM frees its GPU memory for the update (HF: nothing to free)
+        # 4. Update: `mini_batches` optimizer steps per epoch, gradients accumulated over micro-batches.
+        update_start = time.time()
+        for _ in range(args.epochs):
+            order = torch.randperm(len(completions)).tolist()
+            for mini_batch in common.chunks(order, len(order) // args.mini_batches):
+                counts = dict(num_sequences=len(mini_batch), num_tokens=infra.dist.rank_mean(mask[mini_batch].sum()),
+                              max_length=args.max_response_tokens)
+                mini_batch_loss = mini_batch_value_loss = 0.0
+                for micro in common.micro_batches(mini_batch, batch.lengths(), args.micro_batch_size, args.micro_batch_tokens):
+                    micro_batch = batch.select(micro)
+                    micro_mask, width = micro_batch.response_mask, micro_batch.response_width
+                    logprobs = common.response_logprobs(policy, micro_batch, args.temperature)
+                    loss, clip_fraction = policy_loss(logprobs, old_logprobs[micro, :width],
+                                                      token_advantages[micro, :width], micro_mask,
+                                                      args.clip_low, args.clip_high, args.aggregation, **counts)
+                    if reference is not None:
+                        kl = k3_kl(logprobs, reference_logprobs[micro, :width])
+                        loss = loss + args.kl_coef * aggregate(kl, micro_mask, args.aggregation, **counts)
+                    if not actor_frozen:
+                        loss.backward()
+                    value_logits = critic_logits(critic, micro_batch, args.critic_head)
+                    critic_loss = value_loss(value_logits, returns[micro, :width], micro_mask, **counts)
+                    critic_loss.backward()
+                    mini_batch_loss += loss.item()
+                    mini_batch_value_loss += critic_loss.item()
+                    history["clip_fraction"].append(clip_fraction.item())
+                    history["approx_kl"].append(k3_kl(old_logprobs[micro, :width], logprobs.detach())[micro_mask].mean().item())
+                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
+                critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip)
+                finite = run.update_ok(step, grad_norm, critic_grad_norm)  # too many skips in a row: save, stop
+                if finite:  # a non-finite gradient skips the step, weights untouched
+                    optimizer.step()
+                    critic_optimizer.step()
+                history["skipped_updates"].append(float(not finite))
+                optimizer.zero_grad(set_to_none=True)
+                critic_optimizer.zero_grad(set_to_none=True)
+                history["policy_loss"].append(mini_batch_loss)
+                history["grad_norm"].append(grad_norm.item())
+                history["value_loss"].append(mini_batch_value_loss)
+                history["critic_grad_norm"].append(critic_grad_norm.item())
+        generator.sync_weights(policy)
+        update_seconds = time.time() - update_start
+        # 5. Log; evaluate after the last update; checkpoint.
+        response_tokens = int(mask.sum())
+        metrics.update({key: sum(values) / len(values) for key, values in history.items()})
+        metrics.update(infra.evaluate.rollout_metrics(completions, rewards, old_logprobs, mask),
+                       rollout_s=rollout_seconds, update_s=update_seconds,
+                       tokens_per_s=response_tokens / (rollout_seconds + update_seconds))
+        run.end_step(step, metrics)  # evaluation after the last update, log line, checkpoint; Ctrl-C stops here
 
 
 if __name__ == "__main__":
-    common.run_main(main)
+    infra.run.run_main(main)

@@ -81,7 +81,7 @@ def generate_tokens_per_second(model, args, vocab):
     inputs = dict(input_ids=prompts.input_ids[:, :-1], attention_mask=prompts.attention_mask[:, :-1])
     config = GenerationConfig(max_new_tokens=args.generate_tokens, min_new_tokens=args.generate_tokens, do_sample=True,
                               top_k=0, top_p=1.0, temperature=1.0, pad_token_id=0, eos_token_id=None)
-    dtype = model.compute_dtype  # as common.HFGenerator: float32 weights, autocast to the compute dtype
+    dtype = model.compute_dtype  # as infra.engine.HFGenerator: float32 weights, autocast to the compute dtype
     with torch.no_grad(), torch.autocast(model.device.type, dtype=dtype, enabled=dtype != torch.float32):
         seconds, _ = timed(lambda: model.generate(**inputs, generation_config=config), args.device, 1, 0)
     model.train()

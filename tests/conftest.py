@@ -7,6 +7,7 @@ import sys
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # 2 shared cores: torch threads spin when oversubscribed
 
 import pytest  # noqa: E402
+import infra.tiny
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
@@ -36,7 +37,7 @@ def shared_file(shared_data):
 def tiny_path():
     """The built-in tiny checkpoint directory (built on first use, then cached)."""
     import common
-    return common.build_tiny_model()
+    return infra.tiny.build_tiny_model()
 
 
 @pytest.fixture(scope="session")

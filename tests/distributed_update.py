@@ -12,6 +12,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 import grpo  # noqa: E402
+import infra.dist
 
 ROWS, GROUP = 8, 4
 
@@ -31,25 +32,25 @@ def fixed_batch(tokenizer):
 def main():
     out, micro_batch_size = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 8
     micro_batch_tokens = int(sys.argv[3]) if len(sys.argv) > 3 else 0
-    device = common.init_device("cpu")
+    device = infra.dist.init_device("cpu")
     torch.manual_seed(0)
     policy, tokenizer = common.load_model("tiny", "float32", device)
     # SGD: the step is the clipped gradient itself. (Adam's first step is lr * g / (|g| + eps): near-zero gradients
     # turn float32 summation-order noise into steps of +-lr, so it would compare noise, not the gradient.)
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
     prompts, responses, rewards = fixed_batch(tokenizer)
-    advantages = common.rank_share(grpo.group_advantages(rewards, GROUP))  # as the trainer: the whole rollout's
-    local = common.rank_share(list(range(ROWS)))
+    advantages = infra.dist.rank_share(grpo.group_advantages(rewards, GROUP))  # as the trainer: the whole rollout's
+    local = infra.dist.rank_share(list(range(ROWS)))
     batch = common.sequence_batch([prompts[i] for i in local], [responses[i] for i in local], tokenizer.pad_token_id)
     mask = batch.response_mask
     old_logprobs = common.batched(lambda micro: common.response_logprobs(policy, micro), batch, micro_batch_size,
                                   micro_batch_tokens)
     token_advantages = advantages[:, None].expand_as(old_logprobs)
     rows = list(range(len(local)))
-    counts = dict(num_sequences=len(rows), num_tokens=common.rank_mean(mask.sum()), max_length=16)
+    counts = dict(num_sequences=len(rows), num_tokens=infra.dist.rank_mean(mask.sum()), max_length=16)
     total_loss, groups = 0.0, common.micro_batches(rows, batch.lengths(), micro_batch_size, micro_batch_tokens)
     packed = common.token_budget_chunks(rows, batch.lengths(), micro_batch_tokens) if micro_batch_tokens else groups
-    micro_batch_counts = common.gather_objects((len(packed), len(groups)))  # per rank: packed, after equalizing
+    micro_batch_counts = infra.dist.gather_objects((len(packed), len(groups)))  # per rank: packed, after equalizing
     for micro in groups:
         micro_batch = batch.select(micro)
         width = micro_batch.response_width
@@ -62,12 +63,12 @@ def main():
         total_loss += loss.item()
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), 0.5)
     optimizer.step()
-    weights = {name: tensor.detach().clone() for name, tensor in common.full_weights(policy)}
-    loss = common.rank_mean(total_loss)  # each rank's loss estimates the global one: their mean is it
-    if common.rank() == 0:
-        torch.save({"loss": loss, "grad_norm": float(grad_norm), "weights": weights, "world_size": common.world_size(),
+    weights = {name: tensor.detach().clone() for name, tensor in infra.dist.full_weights(policy)}
+    loss = infra.dist.rank_mean(total_loss)  # each rank's loss estimates the global one: their mean is it
+    if infra.dist.rank() == 0:
+        torch.save({"loss": loss, "grad_norm": float(grad_norm), "weights": weights, "world_size": infra.dist.world_size(),
                     "micro_batch_counts": micro_batch_counts}, out)
-    if common.distributed():
+    if infra.dist.distributed():
         torch.distributed.destroy_process_group()
 
 

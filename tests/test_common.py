@@ -15,6 +15,13 @@ import pytest
 import torch
 
 import common
+import infra.checkpoint
+import infra.data
+import infra.engine
+import infra.evaluate
+import infra.run
+import infra.tiny
+import infra.verifier
 import grpo
 
 
@@ -48,20 +55,20 @@ def test_verify_plain_cases():
 
 
 def test_verify_equivalent_forms_through_math_verify():
-    timeouts = common.VERIFY_STATS["timeouts"]
+    timeouts = infra.verifier.TIMEOUTS["count"]
     for answer in ("\\frac{1}{2}", "\\dfrac{1}{2}", "1/2", "0.5"):
         assert common.verify(f"\\boxed{{{answer}}}", "0.5") == 1.0, answer
         assert common.verify(f"\\boxed{{{answer}}}", "\\frac{1}{2}") == 1.0, answer
     assert common.verify("\\boxed{\\frac{1}{3}}", "0.5") == 0.0
     assert common.verify("\\boxed{\\frac{1}{3}}", "\\frac{1}{2}") == 0.0
     assert common.verify("\\boxed{\\sqrt{4}}", "2") == 1.0
-    assert common.VERIFY_STATS["timeouts"] == timeouts  # none of these ran out of time
+    assert infra.verifier.TIMEOUTS["count"] == timeouts  # none of these ran out of time
 
 
 def test_every_math500_gold_verifies_against_itself(shared_file):
     path = shared_file("math500/test.jsonl")
     raw = [json.loads(line) for line in open(path, encoding="utf-8")]
-    rows = common.load_rows(path)
+    rows = infra.data.load_rows(path)
     assert len(rows) == len(raw) == 500
     failures = []
     for row, original in zip(rows, raw):
@@ -74,7 +81,7 @@ def test_every_math500_gold_verifies_against_itself(shared_file):
 def test_gsm8k_golds_verify_against_themselves(shared_file):
     path = shared_file("gsm8k/test.jsonl")
     raw = [json.loads(line) for line in open(path, encoding="utf-8")]
-    rows = common.load_rows(path)
+    rows = infra.data.load_rows(path)
     assert len(rows) == len(raw) == 1319
     sample = random.Random(0).sample(range(len(rows)), 300)
     failures = []
@@ -91,11 +98,11 @@ def test_gsm8k_golds_verify_against_themselves(shared_file):
 
 
 def test_amc23_and_aime24_golds(shared_file):
-    amc = common.load_rows(shared_file("amc23/test.jsonl"))
+    amc = infra.data.load_rows(shared_file("amc23/test.jsonl"))
     assert amc[0]["answer"] == "27"  # stored as the number 27.0
     assert all("." not in row["answer"] and "e" not in row["answer"] for row in amc)
     assert all(common.verify(f"\\boxed{{{row['answer']}}}", row["answer"]) == 1.0 for row in amc)
-    aime = common.load_rows(shared_file("aime24/test.jsonl"))
+    aime = infra.data.load_rows(shared_file("aime24/test.jsonl"))
     assert len(aime) == 30 and all(common.verify(f"\\boxed{{{int(r['answer'])}}}", r["answer"]) == 1.0 for r in aime)
 
 
@@ -112,20 +119,20 @@ def write_jsonl(path, rows, blank_line_after=None):
 
 
 def test_gold_answer_formats():
-    assert common.gold_answer("Natalia sold 48/2 = 24 clips.\n#### 1,234") == "1234"  # GSM8K
-    assert common.gold_answer("Half of it: $\\boxed{\\frac{1}{2}}$.") == "\\frac{1}{2}"  # MATH solution
-    assert common.gold_answer("\\frac{14}{3}") == "\\frac{14}{3}"  # MATH500 `answer`
-    assert common.gold_answer(27.0) == "27"  # AMC23
-    assert common.gold_answer(-1.0) == "-1"
-    assert common.gold_answer(0.125) == "0.125"
-    assert common.gold_answer(42) == "42"
-    assert common.gold_answer("") is None and common.gold_answer(None) is None
+    assert infra.data.gold_answer("Natalia sold 48/2 = 24 clips.\n#### 1,234") == "1234"  # GSM8K
+    assert infra.data.gold_answer("Half of it: $\\boxed{\\frac{1}{2}}$.") == "\\frac{1}{2}"  # MATH solution
+    assert infra.data.gold_answer("\\frac{14}{3}") == "\\frac{14}{3}"  # MATH500 `answer`
+    assert infra.data.gold_answer(27.0) == "27"  # AMC23
+    assert infra.data.gold_answer(-1.0) == "-1"
+    assert infra.data.gold_answer(0.125) == "0.125"
+    assert infra.data.gold_answer(42) == "42"
+    assert infra.data.gold_answer("") is None and infra.data.gold_answer(None) is None
 
 
 def test_gold_answer_large_float_is_not_rounded():
     # f"{value:g}" keeps 6 significant digits: 1234567.0 -> "1.23457e+06", a wrong gold
-    assert common.gold_answer(1234567.0) == "1234567"
-    assert common.gold_answer(3.14159265) == "3.14159265"
+    assert infra.data.gold_answer(1234567.0) == "1234567"
+    assert infra.data.gold_answer(3.14159265) == "3.14159265"
 
 
 def test_load_rows_jsonl_gsm8k_and_math(tmp_path):
@@ -134,7 +141,7 @@ def test_load_rows_jsonl_gsm8k_and_math(tmp_path):
         {"problem": "What is half?", "solution": "It is $\\boxed{\\frac{1}{2}}$."},
         {"prompt": "AMC style", "answer": 27.0},
     ])
-    rows = common.load_rows(path)
+    rows = infra.data.load_rows(path)
     assert rows == [{"question": "How many?", "answer": "7"}, {"question": "What is half?", "answer": "\\frac{1}{2}"},
                     {"question": "AMC style", "answer": "27"}]
 
@@ -143,7 +150,7 @@ def test_empty_answer_field_falls_back_to_the_solution(tmp_path):
     # row_to_example prefers `answer` only when it is non-empty, so an empty one should fall back to `solution`
     path = write_jsonl(tmp_path / "empty_answer.jsonl",
                        [{"question": "Empty answer, gold in the solution", "answer": "", "solution": "so \\boxed{5}"}])
-    assert common.load_rows(path) == [{"question": "Empty answer, gold in the solution", "answer": "5"}]
+    assert infra.data.load_rows(path) == [{"question": "Empty answer, gold in the solution", "answer": "5"}]
 
 
 def test_load_rows_json_list_and_parquet(tmp_path):
@@ -151,62 +158,62 @@ def test_load_rows_json_list_and_parquet(tmp_path):
     json_path = tmp_path / "set.json"
     json_path.write_text(json.dumps(rows, indent=1))
     expected = [{"question": "p1", "answer": "\\frac{1}{2}"}, {"question": "p2", "answer": "12"}]
-    assert common.load_rows(str(json_path)) == expected
+    assert infra.data.load_rows(str(json_path)) == expected
     import pyarrow
     import pyarrow.parquet
     parquet_path = str(tmp_path / "set.parquet")
     pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), parquet_path)
-    assert common.load_rows(parquet_path) == expected
+    assert infra.data.load_rows(parquet_path) == expected
     numeric = str(tmp_path / "numeric.parquet")
     pyarrow.parquet.write_table(pyarrow.Table.from_pylist([{"question": "q", "answer": 36.0}]), numeric)
-    assert common.load_rows(numeric) == [{"question": "q", "answer": "36"}]
+    assert infra.data.load_rows(numeric) == [{"question": "q", "answer": "36"}]
 
 
 def test_load_rows_builtin():
-    rows = common.load_rows("builtin", "train", n_builtin=10, seed=3)
-    assert rows == common.builtin_rows("train", 10, 3) and len(rows) == 10
+    rows = infra.data.load_rows("builtin", "train", n_builtin=10, seed=3)
+    assert rows == infra.tiny.builtin_rows("train", 10, 3) and len(rows) == 10
 
 
 def test_bad_rows_name_file_and_line(tmp_path):
     # line 1 good, line 2 blank (still counted), line 3 has no answer
     path = write_jsonl(tmp_path / "bad.jsonl", [{"question": "q1", "answer": "1"}, {"question": "q2"}],
                        blank_line_after=0)
-    with pytest.raises(common.UserError) as error:
-        common.load_rows(path)
+    with pytest.raises(infra.UserError) as error:
+        infra.data.load_rows(path)
     message = str(error.value)
     assert f"{path}:3" in message and "answer" in message and "\n" not in message
-    assert common.load_rows(path, skip_bad_rows=True) == [{"question": "q1", "answer": "1"}]
+    assert infra.data.load_rows(path, skip_bad_rows=True) == [{"question": "q1", "answer": "1"}]
 
     broken = write_jsonl(tmp_path / "broken.jsonl", [{"question": "q1", "answer": "1"}, "{not json"])
-    with pytest.raises(common.UserError, match=f"{broken}:2: invalid JSON"):
-        common.load_rows(broken)
+    with pytest.raises(infra.UserError, match=f"{broken}:2: invalid JSON"):
+        infra.data.load_rows(broken)
     no_question = write_jsonl(tmp_path / "noq.jsonl", [{"text": "q1", "answer": "1"}])
-    with pytest.raises(common.UserError, match=f"{no_question}:1: no question field"):
-        common.load_rows(no_question)
+    with pytest.raises(infra.UserError, match=f"{no_question}:1: no question field"):
+        infra.data.load_rows(no_question)
 
 
 def test_unknown_dataset_path_and_type(tmp_path):
-    with pytest.raises(common.UserError, match="no such file") as error:
-        common.load_rows(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(infra.UserError, match="no such file") as error:
+        infra.data.load_rows(str(tmp_path / "missing.jsonl"))
     assert "\n" not in str(error.value)
     csv = tmp_path / "data.csv"
     csv.write_text("question,answer\nq,1\n")
-    with pytest.raises(common.UserError, match="unsupported file type"):
-        common.load_rows(str(csv))
+    with pytest.raises(infra.UserError, match="unsupported file type"):
+        infra.data.load_rows(str(csv))
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
-    with pytest.raises(common.UserError, match="empty.jsonl"):
-        common.load_rows(str(empty))
+    with pytest.raises(infra.UserError, match="empty.jsonl"):
+        infra.data.load_rows(str(empty))
 
 
 def test_load_eval_sets_names_and_limit(tmp_path):
     folder = tmp_path / "math500"
     folder.mkdir()
     path = write_jsonl(folder / "test.jsonl", [{"problem": f"p{i}", "answer": str(i)} for i in range(5)])
-    sets = common.load_eval_sets(f"{path},builtin", limit=3)
+    sets = infra.data.load_eval_sets(f"{path},builtin", limit=3)
     assert list(sets) == ["math500", "builtin"]
     assert [r["answer"] for r in sets["math500"]] == ["0", "1", "2"] and len(sets["builtin"]) == 3
-    assert all(common.is_heldout(r["a"], r["b"]) for r in sets["builtin"])
+    assert all(infra.tiny.is_heldout(r["a"], r["b"]) for r in sets["builtin"])
 
 
 def one_line_cli_error(result):
@@ -262,38 +269,38 @@ TOY_PRESET = dict(steps=60, lr=1e-4, flag=True)
 
 
 def test_parse_args_tiny_preset_only_with_tiny_and_never_over_a_given_flag():
-    args = common.parse_args(ToyArgs, TOY_PRESET, [])
+    args = infra.run.parse_args(ToyArgs, TOY_PRESET, [])
     assert (args.steps, args.lr, args.flag) == (60, 1e-4, True)
-    args = common.parse_args(ToyArgs, TOY_PRESET, ["--model", "tiny", "--steps", "7"])
+    args = infra.run.parse_args(ToyArgs, TOY_PRESET, ["--model", "tiny", "--steps", "7"])
     assert (args.steps, args.lr) == (7, 1e-4)
-    args = common.parse_args(ToyArgs, TOY_PRESET, ["--no-flag"])
+    args = infra.run.parse_args(ToyArgs, TOY_PRESET, ["--no-flag"])
     assert args.flag is False  # the user's explicit value beats the preset's True
-    args = common.parse_args(ToyArgs, TOY_PRESET, ["--model", "Qwen3-4B-Base"])
+    args = infra.run.parse_args(ToyArgs, TOY_PRESET, ["--model", "Qwen3-4B-Base"])
     assert (args.steps, args.lr, args.flag) == (500, 1e-6, False)
-    args = common.parse_args(ToyArgs, TOY_PRESET, ["--model", "Qwen3-4B-Base", "--lr", "2e-6"])
+    args = infra.run.parse_args(ToyArgs, TOY_PRESET, ["--model", "Qwen3-4B-Base", "--lr", "2e-6"])
     assert (args.steps, args.lr) == (500, 2e-6)
 
 
 def test_parse_args_types():
-    args = common.parse_args(ToyArgs, None, ["--betas", "0.8", "0.95", "--mode", "b-c", "--flag", "--no-on",
+    args = infra.run.parse_args(ToyArgs, None, ["--betas", "0.8", "0.95", "--mode", "b-c", "--flag", "--no-on",
                                              "--steps", "3", "--lr", "0.5"])
     assert args.betas == (0.8, 0.95) and isinstance(args.betas, tuple)
     assert args.mode == "b-c" and args.flag is True and args.on is False
     assert args.steps == 3 and isinstance(args.steps, int) and args.lr == 0.5
-    assert common.parse_args(ToyArgs, None, []).betas == (0.9, 0.999)
+    assert infra.run.parse_args(ToyArgs, None, []).betas == (0.9, 0.999)
 
 
 def test_parse_args_errors_are_one_line(capsys):
     for argv in (["--mode", "z"], ["--steps", "x"], ["--bogus"]):
         with pytest.raises(SystemExit) as exit_info:
-            common.parse_args(ToyArgs, None, argv)
+            infra.run.parse_args(ToyArgs, None, argv)
         assert exit_info.value.code == 2
         assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
 def test_parse_args_help_shows_the_field_comments(capsys):
     with pytest.raises(SystemExit):
-        common.parse_args(grpo.Args, grpo.TINY_PRESET, ["--help"])
+        infra.run.parse_args(grpo.Args, grpo.TINY_PRESET, ["--help"])
     text = capsys.readouterr().out
     assert "PPO clip epsilon below 1" in text and "--samples-per-prompt" in text and "--no-tensorboard" in text
 
@@ -302,47 +309,47 @@ def test_parse_args_help_shows_the_field_comments(capsys):
 # The built-in task.
 # ----------------------------------------------------------------------------------------------
 def test_train_and_heldout_splits_are_disjoint():
-    train = common.builtin_rows("train", 3000, 0)
-    test = common.builtin_rows("test", 256, 0)
-    assert not any(common.is_heldout(r["a"], r["b"]) for r in train)
-    assert all(common.is_heldout(r["a"], r["b"]) for r in test)
+    train = infra.tiny.builtin_rows("train", 3000, 0)
+    test = infra.tiny.builtin_rows("test", 256, 0)
+    assert not any(infra.tiny.is_heldout(r["a"], r["b"]) for r in train)
+    assert all(infra.tiny.is_heldout(r["a"], r["b"]) for r in test)
     assert not {(r["a"], r["b"]) for r in train} & {(r["a"], r["b"]) for r in test}
     assert all(r["answer"] == str(r["a"] + r["b"]) and r["question"] == f"{r['a']}+{r['b']}" for r in train + test)
-    assert common.builtin_rows("test", 256, 0) == test  # deterministic
-    assert common.builtin_rows("train", 50, 1) != train[:50]
+    assert infra.tiny.builtin_rows("test", 256, 0) == test  # deterministic
+    assert infra.tiny.builtin_rows("train", 50, 1) != train[:50]
     # is_heldout: (a * 1000 + b) % 61 == 0, about 1 / 61 of the pairs
-    held = sum(common.is_heldout(a, b) for a in range(100, 1000) for b in range(100, 1000, 7))
+    held = sum(infra.tiny.is_heldout(a, b) for a in range(100, 1000) for b in range(100, 1000, 7))
     assert abs(held / (900 * 129) - 1 / 61) < 0.002
 
 
 def test_addition_solution_hand_checked():
     # 478 + 365: 8+5 = 13 (write 3, carry 1); 7+6+1 = 14 (write 4, carry 1); 4+3+1 = 8 -> 843
-    assert common.addition_solution(478, 365) == "8+5+0=13 7+6+1=14 4+3+1=8 \\boxed{843}"
+    assert infra.tiny.addition_solution(478, 365) == "8+5+0=13 7+6+1=14 4+3+1=8 \\boxed{843}"
     # without carries every carry is written 0: 13 -> 3, 13 -> 3, 7 -> 733 (the habit RL has to fix)
-    assert common.addition_solution(478, 365, carries=False) == "8+5+0=13 7+6+0=13 4+3+0=7 \\boxed{733}"
+    assert infra.tiny.addition_solution(478, 365, carries=False) == "8+5+0=13 7+6+0=13 4+3+0=7 \\boxed{733}"
     # a final carry becomes the leading digit: 999 + 999 = 1998
-    assert common.addition_solution(999, 999) == "9+9+0=18 9+9+1=19 9+9+1=19 \\boxed{1998}"
+    assert infra.tiny.addition_solution(999, 999) == "9+9+0=18 9+9+1=19 9+9+1=19 \\boxed{1998}"
     # no carries at all: both ways agree
-    assert common.addition_solution(123, 456) == common.addition_solution(123, 456, carries=False) \
+    assert infra.tiny.addition_solution(123, 456) == infra.tiny.addition_solution(123, 456, carries=False) \
         == "3+6+0=9 2+5+0=7 1+4+0=5 \\boxed{579}"
     rng = random.Random(0)
     for _ in range(200):
         a, b = rng.randint(100, 999), rng.randint(100, 999)
-        assert common.verify(common.addition_solution(a, b), str(a + b)) == 1.0
+        assert common.verify(infra.tiny.addition_solution(a, b), str(a + b)) == 1.0
 
 
 def test_step_rows_is_a_function_of_the_step():
     rows = list(range(10))
-    first = common.step_rows(rows, 3, 4, seed=0)
+    first = infra.data.step_rows(rows, 3, 4, seed=0)
     for step in (0, 7, 1):
-        common.step_rows(rows, step, 4, seed=0)
-    assert common.step_rows(rows, 3, 4, seed=0) == first  # no hidden state
+        infra.data.step_rows(rows, step, 4, seed=0)
+    assert infra.data.step_rows(rows, 3, 4, seed=0) == first  # no hidden state
     # 5 steps of 4 = 20 positions = two passes over the 10 rows, each a permutation
-    picked = [row for step in range(5) for row in common.step_rows(rows, step, 4, seed=0)]
+    picked = [row for step in range(5) for row in infra.data.step_rows(rows, step, 4, seed=0)]
     assert sorted(picked[:10]) == rows and sorted(picked[10:]) == rows
     assert picked[:10] != picked[10:]  # a fresh shuffle per pass
     assert picked[:10] != rows  # shuffled
-    other_seed = [row for step in range(5) for row in common.step_rows(rows, step, 4, seed=1)]
+    other_seed = [row for step in range(5) for row in infra.data.step_rows(rows, step, 4, seed=1)]
     assert other_seed != picked
 
 
@@ -351,15 +358,15 @@ def test_step_rows_is_a_function_of_the_step():
 # ----------------------------------------------------------------------------------------------
 def test_pass_at_k_closed_form():
     # n = 4, c = 1, k = 2: 1 - C(3, 2) / C(4, 2) = 1 - 3 / 6 = 0.5
-    assert common.pass_at_k(4, 1, 2) == pytest.approx(0.5)
-    assert common.pass_at_k(4, 0, 2) == 0.0 and common.pass_at_k(4, 4, 1) == 1.0
-    assert common.pass_at_k(4, 3, 2) == 1.0  # any 2 of 4 contain a correct one
+    assert infra.evaluate.pass_at_k(4, 1, 2) == pytest.approx(0.5)
+    assert infra.evaluate.pass_at_k(4, 0, 2) == 0.0 and infra.evaluate.pass_at_k(4, 4, 1) == 1.0
+    assert infra.evaluate.pass_at_k(4, 3, 2) == 1.0  # any 2 of 4 contain a correct one
     for n in range(1, 9):
         for c in range(n + 1):
             for k in range(1, n + 1):
                 expected = 1 - math.comb(n - c, k) / math.comb(n, k)
-                assert common.pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12), (n, c, k)
-            assert common.pass_at_k(n, c, 1) == pytest.approx(c / n)
+                assert infra.evaluate.pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12), (n, c, k)
+            assert infra.evaluate.pass_at_k(n, c, 1) == pytest.approx(c / n)
 
 
 class ScriptedGenerator:
@@ -381,7 +388,7 @@ def test_evaluate_avg_and_pass_at_k_hand_computed(tiny):
     samples = [(wrong, "stop"), (right, "stop"), (wrong, "stop"), (wrong, "stop"),  # prompt 0: 1 of 4
                ("\\boxed{4}", "stop"), ("\\boxed{4}", "stop"), ("\\boxed{4}", "length"), ("\\boxed{4}", "stop")]
     # prompt 1: 4 right answers, but one was cut off at the length limit and scores 0 -> 3 of 4
-    metrics = common.evaluate(ScriptedGenerator(samples), tokenizer, {"toy": rows}, n=4)
+    metrics = infra.evaluate.evaluate(ScriptedGenerator(samples), tokenizer, {"toy": rows}, n=4)
     assert metrics["eval/toy/avg@4"] == pytest.approx((1 + 3) / 8)
     assert metrics["eval/accuracy"] == metrics["eval/toy/avg@4"]
     assert metrics["eval/toy/pass@1"] == pytest.approx(0.5)  # pass@1 = avg@n
@@ -428,9 +435,9 @@ def test_tiny_model_is_a_real_checkpoint(tiny_path, tiny):
 
 def test_tiny_model_greedy_heldout_accuracy(tiny):
     model, tokenizer = tiny
-    eval_sets = common.load_eval_sets("builtin", 256)
+    eval_sets = infra.data.load_eval_sets("builtin", 256)
     assert len(eval_sets["builtin"]) == 256
-    metrics = common.evaluate(common.HFGenerator(model, tokenizer), tokenizer, eval_sets, n=1, max_tokens=48,
+    metrics = infra.evaluate.evaluate(infra.engine.HFGenerator(model, tokenizer), tokenizer, eval_sets, n=1, max_tokens=48,
                               temperature=0.0)
     assert 0.10 <= metrics["eval/accuracy"] <= 0.40, metrics
     assert metrics["eval/accuracy"] == metrics["eval/builtin/avg@1"]
@@ -454,7 +461,7 @@ def test_hf_generator_completions(tiny):
     model, tokenizer = tiny
     prompts = [common.prompt_ids(tokenizer, q) for q in PROMPT_QUESTIONS]
     torch.manual_seed(0)
-    completions = common.HFGenerator(model, tokenizer).generate(prompts, n=2, max_tokens=48, temperature=1.0)
+    completions = infra.engine.HFGenerator(model, tokenizer).generate(prompts, n=2, max_tokens=48, temperature=1.0)
     assert [c.prompt_index for c in completions] == [0, 0, 1, 1, 2, 2, 3, 3]
     eos = tokenizer.eos_token_id
     stopped = [c for c in completions if c.finish_reason == "stop"]
@@ -465,7 +472,7 @@ def test_hf_generator_completions(tiny):
     for c in stopped:
         assert c.token_ids[-1] == eos and eos not in c.token_ids[:-1]
     model.eval()
-    cut = common.HFGenerator(model, tokenizer).generate(prompts, n=1, max_tokens=5, temperature=0.0)
+    cut = infra.engine.HFGenerator(model, tokenizer).generate(prompts, n=1, max_tokens=5, temperature=0.0)
     assert all(c.finish_reason == "length" and len(c.token_ids) == 5 and len(c.logprobs) == 5 for c in cut)
     assert eos not in [t for c in cut for t in c.token_ids]
 
@@ -475,7 +482,7 @@ def test_engine_logprobs_equal_trainer_logprobs(tiny, temperature):
     model, tokenizer = tiny
     prompts = [common.prompt_ids(tokenizer, q) for q in PROMPT_QUESTIONS]
     torch.manual_seed(1)
-    completions = common.HFGenerator(model, tokenizer).generate(prompts, n=2, max_tokens=48, temperature=temperature,
+    completions = infra.engine.HFGenerator(model, tokenizer).generate(prompts, n=2, max_tokens=48, temperature=temperature,
                                                                 top_p=1.0)
     engine, trainer = engine_and_trainer_logprobs(model, tokenizer, completions, prompts, temperature)
     assert engine.numel() > 100
@@ -487,7 +494,7 @@ def test_engine_logprobs_with_top_p_are_of_the_truncated_distribution(tiny):
     model, tokenizer = tiny
     prompts = [common.prompt_ids(tokenizer, q) for q in PROMPT_QUESTIONS]
     torch.manual_seed(2)
-    completions = common.HFGenerator(model, tokenizer).generate(prompts, n=2, max_tokens=48, temperature=1.0, top_p=0.5)
+    completions = infra.engine.HFGenerator(model, tokenizer).generate(prompts, n=2, max_tokens=48, temperature=1.0, top_p=0.5)
     engine, trainer = engine_and_trainer_logprobs(model, tokenizer, completions, prompts, 1.0)
     assert (engine >= trainer - 1e-5).all()
     assert (engine - trainer).max().item() > 1e-3  # and it does differ somewhere
@@ -504,29 +511,29 @@ def test_checkpoint_round_trip(tmp_path, tiny_path):
     model(input_ids=torch.tensor([[5, 6, 7]]), labels=torch.tensor([[5, 6, 7]])).loss.backward()
     optimizer.step()
     for step in (1, 2, 3):
-        path = common.save_checkpoint(str(tmp_path), step, {"policy": model}, {"policy": optimizer}, tokenizer, keep=2)
+        path = infra.checkpoint.save_checkpoint(str(tmp_path), step, {"policy": model}, {"policy": optimizer}, tokenizer, keep=2)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_000002", "step_000003"]
     expected_draw = torch.rand(3)  # the RNG state was saved before this draw
 
     restored = AutoModelForCausalLM.from_pretrained(tiny_path)
     restored_optimizer = torch.optim.AdamW(restored.parameters(), lr=1e-3)
-    assert common.load_checkpoint(str(tmp_path), {"policy": restored}, {"policy": restored_optimizer}) == 3  # latest
+    assert infra.checkpoint.load_checkpoint(str(tmp_path), {"policy": restored}, {"policy": restored_optimizer}) == 3  # latest
     assert torch.equal(torch.rand(3), expected_draw)
     saved, loaded = model.state_dict(), restored.state_dict()
     assert all(torch.equal(saved[k], loaded[k]) for k in saved)
     assert restored_optimizer.state_dict()["state"][0]["step"] == 1
     assert AutoModelForCausalLM.from_pretrained(os.path.join(path, "policy")).config.model_type == "qwen3"
-    with pytest.raises(common.UserError, match="not a checkpoint"):
-        common.load_checkpoint(str(tmp_path / "checkpoints"), {"policy": restored}, {})
+    with pytest.raises(infra.UserError, match="not a checkpoint"):
+        infra.checkpoint.load_checkpoint(str(tmp_path / "checkpoints"), {"policy": restored}, {})
 
 
 def test_run_directory_refuses_to_reuse_a_run(tmp_path):
     args = types.SimpleNamespace(resume="", run_name="r1", output_dir=str(tmp_path), model="tiny", seed=0)
-    path = common.run_directory(args, "grpo.py")
+    path = infra.run.run_directory(args, "grpo.py")
     assert path == os.path.join(str(tmp_path), "r1")
     os.makedirs(path)
     open(os.path.join(path, "metrics.jsonl"), "w").close()
-    with pytest.raises(common.UserError, match="--resume"):
-        common.run_directory(args, "grpo.py")
+    with pytest.raises(infra.UserError, match="--resume"):
+        infra.run.run_directory(args, "grpo.py")
     resumed = dataclasses.replace(grpo.Args(), resume=os.path.join(path, "checkpoints", "step_000002"), run_name="")
-    assert common.run_directory(resumed, "grpo.py") == os.path.abspath(path)
+    assert infra.run.run_directory(resumed, "grpo.py") == os.path.abspath(path)

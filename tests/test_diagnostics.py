@@ -1,6 +1,7 @@
 """Tests for the critic diagnostics in common.py: explained variance, effective rank, sign accuracy with the SNR
 filter, the within-response variation ratio, Monte Carlo values, and probe_critic end to end."""
 import math
+import types
 import os
 import sys
 
@@ -10,6 +11,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
+import infra.engine
+import infra.probes
+import infra.tiny
 
 
 @pytest.fixture(scope="module")
@@ -53,34 +57,34 @@ def test_explained_variance_by_hand():
     returns = torch.tensor([[1.0, 0.0, 1.0, 5.0]])
     mask = torch.tensor([[True, True, True, False]])  # the last column is padding, its 5.0 and 9.0 ignored
     # Var(returns) over (1, 0, 1) = 2/9; a constant critic leaves the residual variance at 2/9 -> 0
-    assert common.explained_variance(torch.tensor([[0.5, 0.5, 0.5, 9.0]]), returns, mask) == pytest.approx(0.0)
+    assert infra.probes.explained_variance(torch.tensor([[0.5, 0.5, 0.5, 9.0]]), returns, mask) == pytest.approx(0.0)
     # residual (0.1, -0.1, 0.4): mean 2/15, E[r^2] = 0.06, variance 0.06 - 4/225 = 0.04222; 1 - 0.04222 / (2/9) = 0.81
-    assert common.explained_variance(torch.tensor([[0.9, 0.1, 0.6, 9.0]]), returns, mask) == pytest.approx(0.81)
-    assert common.explained_variance(returns.clone(), returns, mask) == pytest.approx(1.0)
+    assert infra.probes.explained_variance(torch.tensor([[0.9, 0.1, 0.6, 9.0]]), returns, mask) == pytest.approx(0.81)
+    assert infra.probes.explained_variance(returns.clone(), returns, mask) == pytest.approx(1.0)
     # worse than a constant: residual (-1, 1, -1), variance 8/9 -> 1 - 4 = -3
-    assert common.explained_variance(torch.tensor([[2.0, -1.0, 2.0, 0.0]]), returns, mask) == pytest.approx(-3.0)
+    assert infra.probes.explained_variance(torch.tensor([[2.0, -1.0, 2.0, 0.0]]), returns, mask) == pytest.approx(-3.0)
 
 
 def test_explained_variance_constant_returns():
     returns, mask = torch.ones(2, 3), torch.ones(2, 3, dtype=torch.bool)
-    assert common.explained_variance(torch.full((2, 3), 0.4), returns, mask) == 1.0  # residual constant
-    assert common.explained_variance(torch.tensor([[0.4, 0.5, 0.6]] * 2), returns, mask) == 0.0
-    assert common.explained_variance(returns, returns, torch.zeros(2, 3, dtype=torch.bool)) == 0.0
+    assert infra.probes.explained_variance(torch.full((2, 3), 0.4), returns, mask) == 1.0  # residual constant
+    assert infra.probes.explained_variance(torch.tensor([[0.4, 0.5, 0.6]] * 2), returns, mask) == 0.0
+    assert infra.probes.explained_variance(returns, returns, torch.zeros(2, 3, dtype=torch.bool)) == 0.0
 
 
 # ---------------------------------------------------------------- effective rank
 def test_effective_rank_of_known_matrices():
-    assert common.effective_rank(torch.eye(5)) == pytest.approx(5.0)
-    assert common.effective_rank(torch.zeros(4, 3)) == 0.0
+    assert infra.probes.effective_rank(torch.eye(5)) == pytest.approx(5.0)
+    assert infra.probes.effective_rank(torch.zeros(4, 3)) == 0.0
     rank_one = torch.outer(torch.arange(1.0, 5.0), torch.tensor([1.0, -2.0, 0.5]))
-    assert common.effective_rank(rank_one) == pytest.approx(1.0)
+    assert infra.probes.effective_rank(rank_one) == pytest.approx(1.0)
     # rank 2 with equal singular values: two orthogonal unit directions scaled by 3, in a 6 x 4 matrix
     q_left, _ = torch.linalg.qr(torch.randn(6, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64))
     q_right, _ = torch.linalg.qr(torch.randn(4, 2, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
-    assert common.effective_rank(3 * q_left @ q_right.T) == pytest.approx(2.0, abs=1e-6)
+    assert infra.probes.effective_rank(3 * q_left @ q_right.T) == pytest.approx(2.0, abs=1e-6)
     # singular values (3, 1): p = (3/4, 1/4), H = -(0.75 ln 0.75 + 0.25 ln 0.25) = 0.5623, exp(H) = 1.7548
     entropy = -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))
-    assert common.effective_rank(q_left @ torch.diag(torch.tensor([3.0, 1.0], dtype=torch.float64)) @ q_right.T) \
+    assert infra.probes.effective_rank(q_left @ torch.diag(torch.tensor([3.0, 1.0], dtype=torch.float64)) @ q_right.T) \
         == pytest.approx(math.exp(entropy), abs=1e-6)
     assert math.exp(entropy) == pytest.approx(1.7548, abs=1e-4)
 
@@ -89,7 +93,7 @@ def test_effective_rank_of_random_low_rank_matrices():
     generator = torch.Generator().manual_seed(0)
     for rank in (1, 3, 7):
         matrix = torch.randn(40, rank, generator=generator) @ torch.randn(rank, 16, generator=generator)
-        assert 1.0 <= common.effective_rank(matrix) <= rank + 1e-6
+        assert 1.0 <= infra.probes.effective_rank(matrix) <= rank + 1e-6
 
 
 # ---------------------------------------------------------------- sign accuracy and SNR filter
@@ -103,41 +107,41 @@ def test_sign_accuracy_with_snr_filter_by_hand():
     #   (counted wrong); 1 -> 1 not kept
     critic = [[0.5, 0.4, 0.35, 0.7], [0.2, 0.3, 0.3, 0.1]]
     mc = [[0.5, 0.75, 0.5, 1.0], [0.0, 0.0, 1.0, 1.0]]
-    accuracy, kept = common.sign_accuracy(critic, mc, K, tau=0)
+    accuracy, kept = infra.probes.sign_accuracy(critic, mc, K, tau=0)
     assert (accuracy, kept) == (pytest.approx(2 / 4), pytest.approx(4 / 6))
-    accuracy, kept = common.sign_accuracy(critic, mc, K, tau=1)  # keeps row 0's last interval and row 1's jump
+    accuracy, kept = infra.probes.sign_accuracy(critic, mc, K, tau=1)  # keeps row 0's last interval and row 1's jump
     assert (accuracy, kept) == (pytest.approx(1 / 2), pytest.approx(2 / 6))
-    accuracy, kept = common.sign_accuracy(critic, mc, K, tau=2.5)  # only the infinite-SNR interval
+    accuracy, kept = infra.probes.sign_accuracy(critic, mc, K, tau=2.5)  # only the infinite-SNR interval
     assert (accuracy, kept) == (0.0, pytest.approx(1 / 6))
-    assert common.sign_accuracy([[0.1, 0.2]], [[0.5, 0.5]], K, tau=0) == (None, 0.0)
+    assert infra.probes.sign_accuracy([[0.1, 0.2]], [[0.5, 0.5]], K, tau=0) == (None, 0.0)
 
 
 def test_sign_accuracy_more_continuations_keep_more_intervals():
     critic, mc = [[0.0, 1.0]], [[0.5, 0.75]]  # SNR = 0.25 / sqrt((0.25 + 0.1875) / K) = 0.378 sqrt(K)
-    assert common.sign_accuracy(critic, mc, 4, tau=1) == (None, 0.0)  # SNR 0.756
-    assert common.sign_accuracy(critic, mc, 8, tau=1) == (1.0, 1.0)  # SNR 1.069
+    assert infra.probes.sign_accuracy(critic, mc, 4, tau=1) == (None, 0.0)  # SNR 0.756
+    assert infra.probes.sign_accuracy(critic, mc, 8, tau=1) == (1.0, 1.0)  # SNR 1.069
 
 
 def test_variation_ratio_by_hand():
     # critic row (0, 0.3, 0.6, 0.9): deviations (-.45, -.15, .15, .45), squares sum 0.45
     # MC row (0, 0, 1, 1): deviations +-0.5, squares sum 1.0; ratio sqrt(0.45 / 1.0)
     critic, mc = [[0.0, 0.3, 0.6, 0.9]] * 2, [[0, 0, 1, 1]] * 2
-    assert common.variation_ratio(critic, mc) == pytest.approx(math.sqrt(0.45))
-    assert common.variation_ratio([[0.5] * 4], [[0, 0, 1, 1]]) == 0.0  # a flat critic
-    assert common.variation_ratio([[0.0, 1.0]], [[0.5, 0.5]]) is None  # nothing to compare with
+    assert infra.probes.variation_ratio(critic, mc) == pytest.approx(math.sqrt(0.45))
+    assert infra.probes.variation_ratio([[0.5] * 4], [[0, 0, 1, 1]]) == 0.0  # a flat critic
+    assert infra.probes.variation_ratio([[0.0, 1.0]], [[0.5, 0.5]]) is None  # nothing to compare with
 
 
 def test_probe_cuts():
-    assert common.probe_cuts(38) == [0, 11, 23, 34]  # round(11.4), round(22.8), round(34.2)
-    assert common.probe_cuts(10) == [0, 3, 6, 9]
-    assert common.probe_cuts(5) == [0, 2, 3, 4]  # round(1.5) = 2, round(3.0) = 3, round(4.5) = 4 (half to even)
-    assert common.probe_cuts(2) == [0, 1, 1, 1]  # capped at the state before the last token
-    assert common.probe_cuts(1) == [0, 0, 0, 0]
+    assert infra.probes.probe_cuts(38) == [0, 11, 23, 34]  # round(11.4), round(22.8), round(34.2)
+    assert infra.probes.probe_cuts(10) == [0, 3, 6, 9]
+    assert infra.probes.probe_cuts(5) == [0, 2, 3, 4]  # round(1.5) = 2, round(3.0) = 3, round(4.5) = 4 (half to even)
+    assert infra.probes.probe_cuts(2) == [0, 1, 1, 1]  # capped at the state before the last token
+    assert infra.probes.probe_cuts(1) == [0, 0, 0, 0]
 
 
 # ---------------------------------------------------------------- Monte Carlo values
 def test_monte_carlo_values_recover_known_success_probabilities(tokenizer):
-    rows = common.builtin_rows("test", 3, seed=0)
+    rows = infra.tiny.builtin_rows("test", 3, seed=0)
     probability = {"": 0.25, "good ": 0.75}
     generator = BernoulliGenerator(tokenizer, lambda prefix: probability[prefix])
     K = 400
@@ -174,11 +178,11 @@ def test_monte_carlo_values_with_the_tiny_model(tokenizer):
     """The real tiny model from states whose outcome is all but decided: the full right solution (it only has to
     stop) and a full wrong one."""
     policy = common.load_model("tiny", device="cpu")[0]
-    generator = common.make_generator("hf", policy, tokenizer)
+    generator = infra.engine.make_generator("hf", policy, tokenizer)
     a, b = 478, 365
     prompt = common.prompt_ids(tokenizer, f"{a}+{b}")
-    right = common.addition_solution(a, b)  # ... \boxed{843}
-    wrong = common.addition_solution(a, b, carries=False)  # ... \boxed{733}
+    right = infra.tiny.addition_solution(a, b)  # ... \boxed{843}
+    wrong = infra.tiny.addition_solution(a, b, carries=False)  # ... \boxed{733}
     assert right.endswith("{843}") and wrong.endswith("{733}")
     torch.manual_seed(0)
     values, generated = common.monte_carlo_values(generator, tokenizer, [(prompt, ids(tokenizer, right)),
@@ -188,14 +192,21 @@ def test_monte_carlo_values_with_the_tiny_model(tokenizer):
 
 
 # ---------------------------------------------------------------- probe_critic
+def probe_args(**flags):
+    """The flags probe_critic reads, as a trainer's args would hold them."""
+    defaults = dict(probe_prompts=16, probe_continuations=8, max_response_tokens=48, temperature=1.0, top_p=1.0,
+                    micro_batch_size=8, seed=0)
+    return types.SimpleNamespace(**{**defaults, **flags})
+
+
 def test_probe_critic_on_a_scripted_policy(tokenizer):
-    rows = common.builtin_rows("test", 3, seed=1)
+    rows = infra.tiny.builtin_rows("test", 3, seed=1)
     # sampled response `abcdefghi` + EOS: 10 tokens, cuts (0, 3, 6, 9); right iff the prefix has >= 5 characters,
     # so MC = (0, 0, 1, 1) exactly. The critic says V(s_t) = t / 10: (0, 0.3, 0.6, 0.9).
     generator = BernoulliGenerator(tokenizer, lambda prefix: float(len(prefix) >= 5), response="abcdefghi")
     value_fn = lambda batch: (torch.arange(batch.response_width) / 10).expand(batch.input_ids.shape[0], -1)
-    metrics = common.probe_critic(generator, tokenizer, rows + rows, value_fn, None, num_prompts=3, continuations=4,
-                                  max_tokens=48, micro_batch_size=2)
+    metrics = infra.probes.probe_critic(generator, tokenizer, rows + rows, value_fn,
+                                        probe_args(probe_prompts=3, probe_continuations=4, micro_batch_size=2))
     assert generator.calls == [(3, 1, 48), (12, 4, 48)]  # the responses, then 3 prompts x 4 distinct states
     assert metrics["probe/mse_prompt"] == pytest.approx(0.0)
     assert metrics["probe/mse_30"] == pytest.approx(0.09)
@@ -211,11 +222,11 @@ def test_probe_critic_on_a_scripted_policy(tokenizer):
 
 
 def test_probe_critic_prompt_only(tokenizer):
-    rows = common.builtin_rows("test", 4, seed=2)
+    rows = infra.tiny.builtin_rows("test", 4, seed=2)
     generator = BernoulliGenerator(tokenizer, lambda prefix: 1.0)
     value_fn = lambda batch: torch.full((batch.input_ids.shape[0], 1), 0.75)
-    metrics = common.probe_critic(generator, tokenizer, rows, value_fn, None, num_prompts=4, continuations=3,
-                                  max_tokens=48, prompt_only=True)
+    metrics = infra.probes.probe_critic(generator, tokenizer, rows, value_fn,
+                                        probe_args(probe_prompts=4, probe_continuations=3), prompt_only=True)
     assert generator.calls == [(4, 3, 48)]  # no sampled response: the prompt states only
     assert metrics["probe/mse_prompt"] == pytest.approx(0.0625)  # (0.75 - 1)^2
     assert not any(key.startswith(("probe/mse_3", "probe/sign", "probe/variation")) for key in metrics)
@@ -224,17 +235,17 @@ def test_probe_critic_prompt_only(tokenizer):
 def test_probe_critic_with_the_tiny_model_and_a_fresh_critic(tokenizer):
     policy = common.load_model("tiny", device="cpu")[0]
     critic = common.load_model("tiny", device="cpu", value_head=True)[0]
-    generator = common.make_generator("hf", policy, tokenizer)
-    rows = common.builtin_rows("test", 4, seed=0)
+    generator = infra.engine.make_generator("hf", policy, tokenizer)
+    rows = infra.tiny.builtin_rows("test", 4, seed=0)
     rng_before = torch.get_rng_state()
-    metrics = common.probe_critic(generator, tokenizer, rows, lambda b: common.response_values(critic, b), critic,
-                                  num_prompts=4, continuations=4, max_tokens=48)
+    metrics = infra.probes.probe_critic(generator, tokenizer, rows, lambda b: common.response_values(critic, b),
+                                        probe_args(probe_prompts=4, probe_continuations=4), critic)
     assert torch.equal(torch.get_rng_state(), rng_before)
     assert 0.0 <= metrics["probe/mc_mean"] <= 1.0
     assert 1.0 <= metrics["probe/effective_rank"] <= 48  # at most min(response tokens, hidden size 128)
     assert metrics["probe_tokens"] > 4 * 30  # at least the 4 sampled responses (~38 tokens each)
-    again = common.probe_critic(generator, tokenizer, rows, lambda b: common.response_values(critic, b), critic,
-                                num_prompts=4, continuations=4, max_tokens=48)
+    again = infra.probes.probe_critic(generator, tokenizer, rows, lambda b: common.response_values(critic, b),
+                                      probe_args(probe_prompts=4, probe_continuations=4), critic)
     assert {k: v for k, v in again.items() if k != "probe_s"} == {k: v for k, v in metrics.items() if k != "probe_s"}
 
 
@@ -242,10 +253,10 @@ def test_response_hidden_states_rows_match_response_lengths(tokenizer):
     critic = common.load_model("tiny", device="cpu", value_head=True)[0]
     prompts = [ids(tokenizer, "12+34\n"), ids(tokenizer, "5+6\n")]
     batch = common.sequence_batch(prompts, [ids(tokenizer, "abc"), ids(tokenizer, "abcdefg")], tokenizer.pad_token_id)
-    hidden = common.response_hidden_states(critic, batch, micro_batch_size=1)
+    hidden = infra.probes.response_hidden_states(critic, batch, micro_batch_size=1)
     assert [h.shape for h in hidden] == [(3, 128), (7, 128)]
     # the state before response token t is the same however the batch is cut: compare with the full batch
-    together = common.response_hidden_states(critic, batch, micro_batch_size=2)
+    together = infra.probes.response_hidden_states(critic, batch, micro_batch_size=2)
     assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(hidden, together))
     # and it is the hidden state the value head reads: score(hidden) equals response_values
     values = common.response_values(critic, batch)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import common
+import infra.dist
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -65,12 +66,12 @@ def test_token_budget_micro_batches_are_equalized_across_ranks(updates):
 
 def test_helpers_are_the_identity_in_one_process():
     values = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
-    assert common.gather_all(values) is values
-    assert common.rank_share([1, 2, 3]) == [1, 2, 3]
-    assert common.rank_mean(torch.tensor(7)) == 7.0
-    assert common.gather_objects("x") == ["x"]
+    assert infra.dist.gather_all(values) is values
+    assert infra.dist.rank_share([1, 2, 3]) == [1, 2, 3]
+    assert infra.dist.rank_mean(torch.tensor(7)) == 7.0
+    assert infra.dist.gather_objects("x") == ["x"]
     assert common.micro_batches([0, 1, 2, 3, 4], None, 2) == [[0, 1], [2, 3], [4]]
-    assert not common.distributed() and common.rank() == 0 and common.world_size() == 1
+    assert not infra.dist.distributed() and infra.dist.rank() == 0 and infra.dist.world_size() == 1
 
 
 def read_metrics(run_dir):

@@ -12,6 +12,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import common  # noqa: E402
+import infra.data
+import infra.evaluate
+import infra.run
+import infra.tiny
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
 needs_data = pytest.mark.skipif(not os.path.isdir(DATA), reason=f"benchmark data folder {DATA} is absent")
@@ -41,6 +45,8 @@ class EvalArgs:
     eval_temperature: float = 1.0
     eval_top_p: float = 0.95
     seed: int = 0
+    tensorboard: bool = False
+    wandb_project: str = ""
 
 
 @pytest.fixture(scope="module")
@@ -50,12 +56,12 @@ def tokenizer():
 
 # ---------------------------------------------------------------- pass@k
 def test_pass_at_k_hand_values():
-    assert common.pass_at_k(2, 1, 1) == pytest.approx(0.5)
-    assert common.pass_at_k(4, 1, 2) == pytest.approx(0.5)  # 1 - C(3,2)/C(4,2) = 1 - 3/6
-    assert common.pass_at_k(5, 2, 3) == pytest.approx(0.9)  # 1 - C(3,3)/C(5,3) = 1 - 1/10
-    assert common.pass_at_k(8, 0, 8) == 0.0
-    assert common.pass_at_k(8, 1, 8) == 1.0
-    assert common.pass_at_k(8, 7, 1) == pytest.approx(7 / 8)
+    assert infra.evaluate.pass_at_k(2, 1, 1) == pytest.approx(0.5)
+    assert infra.evaluate.pass_at_k(4, 1, 2) == pytest.approx(0.5)  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+    assert infra.evaluate.pass_at_k(5, 2, 3) == pytest.approx(0.9)  # 1 - C(3,3)/C(5,3) = 1 - 1/10
+    assert infra.evaluate.pass_at_k(8, 0, 8) == 0.0
+    assert infra.evaluate.pass_at_k(8, 1, 8) == 1.0
+    assert infra.evaluate.pass_at_k(8, 7, 1) == pytest.approx(7 / 8)
 
 
 def test_pass_at_k_matches_closed_form():
@@ -63,13 +69,13 @@ def test_pass_at_k_matches_closed_form():
         for c in range(n + 1):
             for k in range(1, n + 1):
                 expected = 1 - math.comb(n - c, k) / math.comb(n, k)
-                assert common.pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12), (n, c, k)
+                assert infra.evaluate.pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12), (n, c, k)
 
 
 def test_pass_at_k_rejects_impossible_counts():
     for n, c, k in [(4, 0, 5), (4, 5, 1), (4, 1, 0), (4, -1, 1)]:
         with pytest.raises(ValueError):
-            common.pass_at_k(n, c, k)
+            infra.evaluate.pass_at_k(n, c, k)
 
 
 # ---------------------------------------------------------------- evaluate
@@ -80,7 +86,7 @@ def test_evaluate_avg_and_pass_at_k_by_hand(tokenizer):
                [(wrong, "stop")] * 4]
     generator = ScriptedGenerator(tokenizer, scripts)
     rng_before = torch.get_rng_state()
-    metrics = common.evaluate(generator, tokenizer, {"set": rows}, n=4, max_tokens=9, temperature=1.0, top_p=0.95)
+    metrics = infra.evaluate.evaluate(generator, tokenizer, {"set": rows}, n=4, max_tokens=9, temperature=1.0, top_p=0.95)
     assert torch.equal(torch.get_rng_state(), rng_before)  # evaluation leaves the training RNG alone
     assert generator.calls == [(2, 4, 9, 1.0, 0.95)]  # one request, the eval flags passed through
     # correct counts: row 0 -> c = 2 of 4, row 1 -> 0 of 4
@@ -98,7 +104,7 @@ def test_evaluate_avg_and_pass_at_k_by_hand(tokenizer):
 def test_evaluate_several_sets_and_n_not_a_power_of_two(tokenizer):
     rows = [{"question": "100+200", "answer": "300"}]
     generator = ScriptedGenerator(tokenizer, [[("\\boxed{300}", "stop"), ("\\boxed{3}", "stop"), ("x", "stop")]])
-    metrics = common.evaluate(generator, tokenizer, {"first": rows, "second": rows}, n=3)
+    metrics = infra.evaluate.evaluate(generator, tokenizer, {"first": rows, "second": rows}, n=3)
     assert metrics["eval/first/avg@3"] == pytest.approx(1 / 3)
     assert metrics["eval/second/pass@2"] == pytest.approx(1 - 1 / 3)  # 1 - C(2,2)/C(3,2)
     assert "eval/first/pass@3" not in metrics and "eval/first/pass@4" not in metrics  # k = 1, 2 only
@@ -108,61 +114,62 @@ def test_evaluate_several_sets_and_n_not_a_power_of_two(tokenizer):
 def test_eval_table_lists_each_dataset():
     metrics = {"eval/math500/avg@2": 0.25, "eval/math500/pass@1": 0.25, "eval/math500/pass@2": 0.375,
                "eval/gsm8k/avg@2": 0.5, "eval/accuracy": 0.25, "reward": 1.0}
-    lines = common.eval_table(metrics).splitlines()
+    lines = infra.evaluate.eval_table(metrics).splitlines()
     assert lines[0].split() == ["dataset", "avg@2", "pass@1", "pass@2"]
     assert lines[1].split() == ["math500", "0.2500", "0.2500", "0.3750"]
     assert lines[2].split() == ["gsm8k", "0.5000"]  # a missing column is left blank
     assert len(lines) == 3
 
 
-def test_run_eval_only_logs_and_prints(tokenizer, tmp_path):
+def test_run_eval_only_logs_and_prints(tokenizer, tmp_path, capsys):
     rows = [{"question": "100+200", "answer": "300"}, {"question": "111+111", "answer": "222"}]
     generator = ScriptedGenerator(tokenizer, [[("\\boxed{300}", "stop")] * 2, [("\\boxed{9}", "stop")] * 2])
-    args = EvalArgs()
-    logger = common.Logger(str(tmp_path), args)
-    printed = []
-    metrics = common.run_eval_only(args, generator, tokenizer, {"tiny": rows}, logger, step=7, write=printed.append)
+    run = object.__new__(infra.run.Run)  # what Run.__init__ and Run.start would have set up
+    run.args, run.generator, run.tokenizer, run.eval_sets, run.start_step = EvalArgs(), generator, tokenizer, \
+        {"tiny": rows}, 7
+    run.logger = infra.run.Logger(str(tmp_path), run.args)
+    metrics = run.evaluate_only()
     assert metrics["eval/tiny/avg@2"] == pytest.approx(0.5)
     record = json.loads(open(tmp_path / "metrics.jsonl").read().splitlines()[-1])
     assert record["step"] == 7 and record["eval/tiny/pass@2"] == pytest.approx(0.5)
-    assert any(line.split()[:2] == ["tiny", "0.5000"] for text in printed for line in text.splitlines())
+    assert any(line.split()[:2] == ["tiny", "0.5000"] for line in capsys.readouterr().out.splitlines())
 
 
 # ---------------------------------------------------------------- eval sets
 @needs_data
 def test_load_eval_sets_accepts_a_list_or_a_comma_separated_string():
     math500, gsm8k = os.path.join(DATA, "math500", "test.jsonl"), os.path.join(DATA, "gsm8k", "test.jsonl")
-    from_list = common.load_eval_sets((math500, gsm8k), limit=5)
-    from_string = common.load_eval_sets(f"{math500}, {gsm8k},", limit=5)
+    from_list = infra.data.load_eval_sets((math500, gsm8k), limit=5)
+    from_string = infra.data.load_eval_sets(f"{math500}, {gsm8k},", limit=5)
     assert list(from_list) == list(from_string) == ["math500", "gsm8k"]
     assert [len(rows) for rows in from_list.values()] == [5, 5]
     assert from_list["gsm8k"][0] == from_string["gsm8k"][0]
     assert "####" not in from_list["gsm8k"][0]["answer"]  # the GSM8K gold is the number after ####
-    assert list(common.load_eval_sets([math500, math500], limit=2)) == ["math500", "math500_2"]
+    assert list(infra.data.load_eval_sets([math500, math500], limit=2)) == ["math500", "math500_2"]
 
 
 def test_load_eval_sets_builtin_and_empty():
-    sets = common.load_eval_sets(("builtin",), limit=10)
+    sets = infra.data.load_eval_sets(("builtin",), limit=10)
     assert list(sets) == ["builtin"] and len(sets["builtin"]) == 10
-    assert all(common.is_heldout(row["a"], row["b"]) for row in sets["builtin"])
-    with pytest.raises(common.UserError):
-        common.load_eval_sets(" , ")
+    assert all(infra.tiny.is_heldout(row["a"], row["b"]) for row in sets["builtin"])
+    with pytest.raises(infra.UserError):
+        infra.data.load_eval_sets(" , ")
 
 
 # ---------------------------------------------------------------- repetition
 def test_ends_in_loop_cases():
-    assert common.ends_in_loop([1, 2, 3] * 11 + [1, 2])  # period 3 over the last 35 tokens, last copy cut short
-    assert not common.ends_in_loop([1, 2, 3] * 4)  # 12 tokens: shorter than min_tokens = 32
-    assert common.ends_in_loop([1, 2, 3] * 4, min_tokens=0)  # 4 copies of a 3-gram
-    assert not common.ends_in_loop([1, 2, 3] * 3, min_tokens=0)  # only 3 copies
-    assert not common.ends_in_loop([1, 2] * 20 + [5, 6, 7, 8, 9])  # a loop that was left: not at the end
-    assert common.ends_in_loop([7] * 40)
-    assert not common.ends_in_loop([7] * 31)
-    assert common.ends_in_loop("The answer is 5. " * 5)  # a string is read character by character
-    assert not common.ends_in_loop("8+5+0=13 7+6+1=14 4+3+1=8 \\boxed{843}")
-    assert not common.ends_in_loop(list(range(30)) * 3)  # a 30-gram 3 times: fewer than 4 copies
-    assert common.ends_in_loop(list(range(30)) * 4)
-    assert not common.ends_in_loop([])
+    assert infra.evaluate.ends_in_loop([1, 2, 3] * 11 + [1, 2])  # period 3 over the last 35 tokens, last copy cut short
+    assert not infra.evaluate.ends_in_loop([1, 2, 3] * 4)  # 12 tokens: shorter than min_tokens = 32
+    assert infra.evaluate.ends_in_loop([1, 2, 3] * 4, min_tokens=0)  # 4 copies of a 3-gram
+    assert not infra.evaluate.ends_in_loop([1, 2, 3] * 3, min_tokens=0)  # only 3 copies
+    assert not infra.evaluate.ends_in_loop([1, 2] * 20 + [5, 6, 7, 8, 9])  # a loop that was left: not at the end
+    assert infra.evaluate.ends_in_loop([7] * 40)
+    assert not infra.evaluate.ends_in_loop([7] * 31)
+    assert infra.evaluate.ends_in_loop("The answer is 5. " * 5)  # a string is read character by character
+    assert not infra.evaluate.ends_in_loop("8+5+0=13 7+6+1=14 4+3+1=8 \\boxed{843}")
+    assert not infra.evaluate.ends_in_loop(list(range(30)) * 3)  # a 30-gram 3 times: fewer than 4 copies
+    assert infra.evaluate.ends_in_loop(list(range(30)) * 4)
+    assert not infra.evaluate.ends_in_loop([])
 
 
 def test_repetition_rate_in_rollout_metrics_drops_the_eos():
@@ -173,9 +180,9 @@ def test_repetition_rate_in_rollout_metrics_drops_the_eos():
     completions = [looped, cut, normal, normal]
     width = max(len(c.token_ids) for c in completions)
     mask = torch.tensor([[t < len(c.token_ids) for t in range(width)] for c in completions])
-    metrics = common.rollout_metrics(completions, torch.zeros(4), torch.zeros(4, width), mask)
+    metrics = infra.evaluate.rollout_metrics(completions, torch.zeros(4), torch.zeros(4, width), mask)
     assert metrics["repetition"] == pytest.approx(2 / 4)
-    assert common.repetition_rate([]) == 0.0
+    assert infra.evaluate.repetition_rate([]) == 0.0
 
 
 # ---------------------------------------------------------------- --eval-only end to end

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import common
+import infra.engine
 
 LN2 = math.log(2.0)
 
@@ -134,7 +135,7 @@ def test_hf_generator_logprobs_match_trainer(tiny, temperature):
     model, tokenizer = tiny
     torch.manual_seed(0)
     prompts = [common.prompt_ids(tokenizer, q) for q in ("123+456", "907+88")]
-    completions = common.HFGenerator(model, tokenizer).generate(prompts, 2, 24, temperature, 1.0)
+    completions = infra.engine.HFGenerator(model, tokenizer).generate(prompts, 2, 24, temperature, 1.0)
     batch = common.sequence_batch([prompts[c.prompt_index] for c in completions], [c.token_ids for c in completions],
                                   tokenizer.pad_token_id)
     with torch.no_grad():
@@ -152,7 +153,7 @@ def test_hf_generator_ignores_the_models_own_sampling_defaults():
     model.generation_config = GenerationConfig(do_sample=True, temperature=0.3, top_k=3, top_p=0.5)
     torch.manual_seed(0)
     prompt = common.prompt_ids(tokenizer, "478+365")
-    completions = common.HFGenerator(model, tokenizer).generate([prompt], 64, 48, 1.0, 1.0)
+    completions = infra.engine.HFGenerator(model, tokenizer).generate([prompt], 64, 48, 1.0, 1.0)
     batch = common.sequence_batch([prompt] * 64, [c.token_ids for c in completions], tokenizer.pad_token_id)
     with torch.no_grad():
         trainer = common.response_logprobs(model, batch, 1.0)

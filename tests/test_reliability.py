@@ -13,6 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 import common
+import infra.checkpoint
+import infra.data
+import infra.run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINERS = [name for name in ("ppo", "grpo", "sppo", "sp3o", "tppo", "spo")
@@ -29,8 +32,8 @@ def write(path, text, mode="w"):
 
 
 def load_error(spec, **kwargs):
-    with pytest.raises(common.UserError) as error:
-        common.load_rows(spec, **kwargs)
+    with pytest.raises(infra.UserError) as error:
+        infra.data.load_rows(spec, **kwargs)
     assert "\n" not in str(error.value)
     return str(error.value)
 
@@ -58,7 +61,7 @@ def test_malformed_rows_name_file_and_line(tmp_path):
 def test_skip_bad_rows_reports_the_count(tmp_path, capsys):
     path = write(tmp_path / "train.jsonl", '{"question": "1+1", "answer": "2"}\n{"question": "2+2", "answer": \n'
                                            '{"question": "3+3"}\n{"problem": "p", "solution": "so \\\\boxed{4}"}\n')
-    rows = common.load_rows(path, skip_bad_rows=True)
+    rows = infra.data.load_rows(path, skip_bad_rows=True)
     assert rows == [{"question": "1+1", "answer": "2"}, {"question": "p", "answer": "4"}]
     report = capsys.readouterr().err
     assert f"skipped 2 bad rows of 4 in {path}" in report and f"{path}:2: invalid JSON" in report
@@ -67,7 +70,7 @@ def test_skip_bad_rows_reports_the_count(tmp_path, capsys):
 def test_json_array_rows_are_located_by_line(tmp_path):
     path = write(tmp_path / "train.json", '[\n  {"question": "a", "answer": 1},\n\n  {"question": "b"},\n  5\n]\n')
     assert load_error(path).startswith(f"{path}:4: no answer field")
-    assert common.load_rows(path, skip_bad_rows=True) == [{"question": "a", "answer": "1"}]
+    assert infra.data.load_rows(path, skip_bad_rows=True) == [{"question": "a", "answer": "1"}]
     broken = write(tmp_path / "broken.json", '[\n  {"question": "a", "answer": 1},\n  {"question": }\n]\n')
     assert load_error(broken, skip_bad_rows=True).startswith(f"{broken}:3: invalid JSON")  # the file is unusable
 
@@ -79,7 +82,7 @@ def test_parquet_rows(tmp_path):
     table = pyarrow.table({"problem": ["1+1", "2+2", "3+3"], "answer": ["2", None, "6"]})
     pyarrow.parquet.write_table(table, path)
     assert load_error(path).startswith(f"{path}:row 2: no answer field")
-    assert common.load_rows(path, skip_bad_rows=True) == [{"question": "1+1", "answer": "2"},
+    assert infra.data.load_rows(path, skip_bad_rows=True) == [{"question": "1+1", "answer": "2"},
                                                          {"question": "3+3", "answer": "6"}]
     not_parquet = write(tmp_path / "fake.parquet", "hello")
     assert "not a readable parquet file" in load_error(not_parquet)
@@ -101,17 +104,17 @@ def test_empty_unreadable_and_missing_inputs(tmp_path, monkeypatch):
 
     def denied(*args, **kwargs):  # chmod 000 does not stop root, so fail the open itself
         raise PermissionError(13, "Permission denied")
-    monkeypatch.setattr(common, "open", denied, raising=False)
+    monkeypatch.setattr(infra.data, "open", denied, raising=False)
     readable = str(tmp_path / "gsm8k" / "test.jsonl")
     assert "cannot read it (Permission denied)" in load_error(readable)
 
 
 def test_gold_answer_normalization():
-    assert common.gold_answer("so 3 + 15 = 18\n#### 1,018") == "1018"  # GSM8K
-    assert common.gold_answer("it is $\\boxed{\\frac{1}{2}}$.") == "\\frac{1}{2}"  # MATH
-    assert common.gold_answer(7) == "7" and common.gold_answer(2.5) == "2.5"
+    assert infra.data.gold_answer("so 3 + 15 = 18\n#### 1,018") == "1018"  # GSM8K
+    assert infra.data.gold_answer("it is $\\boxed{\\frac{1}{2}}$.") == "\\frac{1}{2}"  # MATH
+    assert infra.data.gold_answer(7) == "7" and infra.data.gold_answer(2.5) == "2.5"
     for unusable in (None, "", "  ", True, float("nan"), float("inf"), [1], {"a": 1}, "#### "):
-        assert common.gold_answer(unusable) is None, unusable
+        assert infra.data.gold_answer(unusable) is None, unusable
 
 
 # ---------------------------------------------------------------------------------------------- flags
@@ -133,7 +136,7 @@ def refusal(monkeypatch, capsys, trainer, *argv):
     monkeypatch.setattr(sys, "argv", [f"{trainer}.py", *map(str, argv)])
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
-        common.run_main(module.main)
+        infra.run.run_main(module.main)
     assert exit_info.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1, lines
@@ -142,8 +145,8 @@ def refusal(monkeypatch, capsys, trainer, *argv):
 
 @pytest.mark.parametrize("trainer", TRAINERS)
 def test_flags_refused_before_the_model_loads(trainer, monkeypatch, capsys, no_model, tmp_path):
-    assert "unrecognized arguments: --no-such-flag" in refusal(monkeypatch, capsys, trainer, "--no-such-flag", 1)
-    assert "invalid int value" in refusal(monkeypatch, capsys, trainer, "--steps", "many")
+    assert "Unrecognized options: --no-such-flag" in refusal(monkeypatch, capsys, trainer, "--no-such-flag", 1)
+    assert "Error parsing --steps: invalid literal" in refusal(monkeypatch, capsys, trainer, "--steps", "many")
     assert "does not split into 3 mini-batches" in refusal(monkeypatch, capsys, trainer, "--mini-batches", 3)
     assert "micro-batches of 7" in refusal(monkeypatch, capsys, trainer, "--micro-batch-size", 7)
     bad = write(tmp_path / "bad.jsonl", '{"question": "1+1", "answer": "2"}\n{"question": \n')
@@ -235,7 +238,7 @@ def records(run_dir):
 def poison(monkeypatch):
     """poison(steps): the trainer's log-probs become NaN in the update phase (grad enabled) of those steps, so
     the loss and gradient norm are NaN there; the rollout's log-probs stay finite."""
-    current, real_rows, real_logprobs = {"step": None}, common.step_rows, common.response_logprobs
+    current, real_rows, real_logprobs = {"step": None}, infra.data.step_rows, common.response_logprobs
 
     def step_rows(rows, step, count, seed):
         current["step"] = step
@@ -245,7 +248,7 @@ def poison(monkeypatch):
         def response_logprobs(model, batch, temperature=1.0):
             logprobs = real_logprobs(model, batch, temperature)
             return logprobs * float("nan") if torch.is_grad_enabled() and current["step"] in steps else logprobs
-        monkeypatch.setattr(common, "step_rows", step_rows)
+        monkeypatch.setattr(infra.data, "step_rows", step_rows)
         monkeypatch.setattr(common, "response_logprobs", response_logprobs)
     return apply
 
@@ -271,7 +274,7 @@ def test_non_finite_update_is_skipped_untouched(monkeypatch, tmp_path, poison, t
 
 def test_non_finite_updates_in_a_row_stop_with_a_checkpoint(monkeypatch, tmp_path, poison, tiny_path):
     poison(set(range(10)))
-    with pytest.raises(common.UserError, match="3 non-finite updates in a row at step 1; the last good state is "
+    with pytest.raises(infra.UserError, match="3 non-finite updates in a row at step 1; the last good state is "
                                                "saved in .*step_000001"):
         run_grpo(monkeypatch, tmp_path, "--steps", 5, "--max-skipped-updates", 3)
     run_dir = os.path.join(tmp_path, "run")
@@ -284,8 +287,8 @@ def test_non_finite_updates_in_a_row_stop_with_a_checkpoint(monkeypatch, tmp_pat
 
 def test_ctrl_c_saves_and_exits_cleanly(monkeypatch, tmp_path):
     """A real SIGINT as step 2 begins: main returns normally (exit code 0) with a checkpoint that holds exactly the
-    logged steps (2 with an immediate stop, 3 with common.StopOnCtrlC finishing the step first)."""
-    real_rows, sent = common.step_rows, []
+    logged steps (2 with an immediate stop, 3 with infra.run.StopOnCtrlC finishing the step first)."""
+    real_rows, sent = infra.data.step_rows, []
 
     def step_rows(rows, step, count, seed):
         if step == 2 and not sent:
@@ -293,14 +296,14 @@ def test_ctrl_c_saves_and_exits_cleanly(monkeypatch, tmp_path):
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.1)  # the handler runs here
         return real_rows(rows, step, count, seed)
-    monkeypatch.setattr(common, "step_rows", step_rows)
+    monkeypatch.setattr(infra.data, "step_rows", step_rows)
     run_dir = run_grpo(monkeypatch, tmp_path, "--steps", 6)
-    saved = common._checkpoint_steps(os.path.join(run_dir, "checkpoints"))
+    saved = infra.checkpoint._checkpoint_steps(os.path.join(run_dir, "checkpoints"))
     assert len(saved) == 1 and saved[0] in (2, 3)
     assert sorted(records(run_dir)) == list(range(saved[0]))  # the checkpoint holds every logged step, no more
     model, _ = common.load_model("tiny", device="cpu")
     optimizer = torch.optim.AdamW(model.parameters())
-    assert common.load_checkpoint(run_dir, {"policy": model}, {"policy": optimizer}) == saved[0]
+    assert infra.checkpoint.load_checkpoint(run_dir, {"policy": model}, {"policy": optimizer}) == saved[0]
     assert len(optimizer.state) > 0
 
 
@@ -308,7 +311,7 @@ def test_ctrl_c_in_the_middle_of_an_update_saves_whole_steps(monkeypatch, tmp_pa
     """Ctrl-C after the first of step 2's two optimizer steps: the checkpoint must equal a straight run's checkpoint
     after the same number of steps, not hold half of step 2 (which a resume would then apply again)."""
     straight = run_grpo(monkeypatch, tmp_path / "straight", "--steps", 4, "--save-every", 1, "--keep-checkpoints", 9)
-    current, real_rows, real_logprobs, calls = {}, common.step_rows, common.response_logprobs, []
+    current, real_rows, real_logprobs, calls = {}, infra.data.step_rows, common.response_logprobs, []
 
     def step_rows(rows, step, count, seed):
         current["step"] = step
@@ -321,10 +324,10 @@ def test_ctrl_c_in_the_middle_of_an_update_saves_whole_steps(monkeypatch, tmp_pa
                 os.kill(os.getpid(), signal.SIGINT)
                 time.sleep(0.1)
         return real_logprobs(model, batch, temperature)
-    monkeypatch.setattr(common, "step_rows", step_rows)
+    monkeypatch.setattr(infra.data, "step_rows", step_rows)
     monkeypatch.setattr(common, "response_logprobs", response_logprobs)
     interrupted = run_grpo(monkeypatch, tmp_path / "interrupted", "--steps", 4)
-    saved = common._checkpoint_steps(os.path.join(interrupted, "checkpoints"))
+    saved = infra.checkpoint._checkpoint_steps(os.path.join(interrupted, "checkpoints"))
     assert len(saved) == 1 and sorted(records(interrupted)) == list(range(saved[0]))
     checkpoint = os.path.join(interrupted, "checkpoints", f"step_{saved[0]:06d}")
     reference = os.path.join(straight, "checkpoints", f"step_{saved[0]:06d}")
@@ -334,7 +337,7 @@ def test_ctrl_c_in_the_middle_of_an_update_saves_whole_steps(monkeypatch, tmp_pa
 
 def test_stop_on_ctrl_c_defers_the_first_and_not_the_second():
     previous = signal.getsignal(signal.SIGINT)
-    stop = common.StopOnCtrlC()
+    stop = infra.run.StopOnCtrlC()
     try:
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.1)
@@ -353,10 +356,11 @@ import sys, time
 import torch
 sys.path.insert(0, {repo!r})
 import common
+import infra.checkpoint
 run_dir = sys.argv[1]
 model, tokenizer = common.load_model("tiny", device="cpu")
 optimizer = torch.optim.AdamW(model.parameters())
-common.save_checkpoint(run_dir, 1, {{"policy": model}}, {{"policy": optimizer}}, tokenizer)
+infra.checkpoint.save_checkpoint(run_dir, 1, {{"policy": model}}, {{"policy": optimizer}}, tokenizer)
 with torch.no_grad():
     for parameter in model.parameters():
         parameter.add_(1.0)
@@ -370,7 +374,7 @@ def half_save(state, path):  # the weights are written; the trainer state is hal
     print("IN THE MIDDLE OF THE SAVE", flush=True)
     time.sleep(600)
 torch.save = half_save
-common.save_checkpoint(run_dir, 2, {{"policy": model}}, {{"policy": optimizer}}, tokenizer)
+infra.checkpoint.save_checkpoint(run_dir, 2, {{"policy": model}}, {{"policy": optimizer}}, tokenizer)
 """
 
 
@@ -388,10 +392,10 @@ def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path, tiny_path):
     assert sorted(os.listdir(root)) == [".staging_000002", "step_000001"]  # no half-written step_000002
     model, tokenizer = common.load_model("tiny", device="cpu")
     optimizer = torch.optim.AdamW(model.parameters())
-    assert common.load_checkpoint(run_dir, {"policy": model}, {"policy": optimizer}) == 1  # the latest whole one
+    assert infra.checkpoint.load_checkpoint(run_dir, {"policy": model}, {"policy": optimizer}) == 1  # the latest whole one
     assert_same({k: v for k, v in model.state_dict().items() if k != "lm_head.weight"},
                 load_file(os.path.join(tiny_path, "model.safetensors")))  # step 1's weights, not the +1 ones
-    common.save_checkpoint(run_dir, 2, {"policy": model}, {"policy": optimizer}, tokenizer)
+    infra.checkpoint.save_checkpoint(run_dir, 2, {"policy": model}, {"policy": optimizer}, tokenizer)
     assert sorted(os.listdir(root)) == ["step_000001", "step_000002"]  # the stale staging directory is gone
 
 
@@ -399,30 +403,30 @@ def test_checkpoint_round_trip_and_mismatches(tmp_path, tiny):
     model, tokenizer = tiny
     critic = common.load_model("tiny", device="cpu", value_head=True)[0]  # a value head, as PPO's critic
     optimizers = {"policy": torch.optim.AdamW(model.parameters()), "critic": torch.optim.AdamW(critic.parameters())}
-    common.save_checkpoint(str(tmp_path), 1, {"policy": model, "critic": critic}, optimizers, tokenizer)
+    infra.checkpoint.save_checkpoint(str(tmp_path), 1, {"policy": model, "critic": critic}, optimizers, tokenizer)
     fresh_model, fresh_critic = (common.load_model("tiny", device="cpu", value_head=head)[0] for head in (False, True))
     with torch.no_grad():
         fresh_critic.score.weight.add_(1.0)
         fresh_model.model.norm.weight.add_(1.0)
     fresh = {"policy": fresh_model, "critic": fresh_critic}
-    common.load_checkpoint(str(tmp_path), fresh, {k: torch.optim.AdamW(m.parameters()) for k, m in fresh.items()})
+    infra.checkpoint.load_checkpoint(str(tmp_path), fresh, {k: torch.optim.AdamW(m.parameters()) for k, m in fresh.items()})
     assert_same(fresh_model.state_dict(), model.state_dict())
     assert_same(fresh_critic.state_dict(), critic.state_dict())
     policy_only = str(tmp_path / "policy_only")
-    common.save_checkpoint(policy_only, 1, {"policy": model}, {"policy": optimizers["policy"]}, tokenizer)
-    with pytest.raises(common.UserError, match="does not fit the model"):  # a policy checkpoint into a critic
-        common.load_checkpoint(policy_only, {"policy": critic}, {"policy": torch.optim.AdamW(critic.parameters())})
-    with pytest.raises(common.UserError, match="saved by a trainer with models"):
-        common.load_checkpoint(policy_only, fresh, {"policy": None, "critic": None})
-    with pytest.raises(common.UserError, match="no such directory"):
-        common.load_checkpoint(str(tmp_path / "nope"), {}, {})
+    infra.checkpoint.save_checkpoint(policy_only, 1, {"policy": model}, {"policy": optimizers["policy"]}, tokenizer)
+    with pytest.raises(infra.UserError, match="does not fit the model"):  # a policy checkpoint into a critic
+        infra.checkpoint.load_checkpoint(policy_only, {"policy": critic}, {"policy": torch.optim.AdamW(critic.parameters())})
+    with pytest.raises(infra.UserError, match="saved by a trainer with models"):
+        infra.checkpoint.load_checkpoint(policy_only, fresh, {"policy": None, "critic": None})
+    with pytest.raises(infra.UserError, match="no such directory"):
+        infra.checkpoint.load_checkpoint(str(tmp_path / "nope"), {}, {})
 
 
 def test_keeps_the_last_k_by_step_number(tmp_path, tiny):
     model, tokenizer = tiny
     optimizer = torch.optim.AdamW(model.parameters())
     for step in (999_999, 1_000_000, 1_000_001):  # past six digits: sorted by number, not by name
-        common.save_checkpoint(str(tmp_path), step, {"policy": model}, {"policy": optimizer}, tokenizer, keep=2)
+        infra.checkpoint.save_checkpoint(str(tmp_path), step, {"policy": model}, {"policy": optimizer}, tokenizer, keep=2)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_1000000", "step_1000001"]
 
 
@@ -447,7 +451,7 @@ def test_resume_after_sigkill_is_exact(tmp_path, capsys):
         os.killpg(killed_run.pid, signal.SIGKILL)  # no chance to save anything
         killed_run.wait(60)
         assert killed_run.returncode == -signal.SIGKILL
-        resumed_from = max(common._checkpoint_steps(os.path.join(killed, "checkpoints")))
+        resumed_from = max(infra.checkpoint._checkpoint_steps(os.path.join(killed, "checkpoints")))
         assert resumed_from in (3, 4)  # killed as step 3 began, or just after it ended
         resumed = start_grpo(killed, "--resume", killed)
         output = resumed.communicate(timeout=600)[0]

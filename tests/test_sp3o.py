@@ -13,6 +13,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import common  # noqa: E402
 import sp3o  # noqa: E402
+import infra.run
+import infra.tiny
 
 
 def test_released_anchor_vectors():
@@ -110,12 +112,12 @@ def test_critic_loss_is_independent_of_the_micro_batch_split():
 
 
 def test_published_defaults_and_tiny_warmup():
-    args = common.parse_args(sp3o.Args, sp3o.TINY_PRESET, ["--model", "Qwen3-4B-Base"])
+    args = infra.run.parse_args(sp3o.Args, sp3o.TINY_PRESET, ["--model", "Qwen3-4B-Base"])
     assert (args.lr, args.critic_lr, args.weight_decay, args.adam_betas) == (1e-6, 4e-6, 0.1, (0.9, 0.98))
     assert (args.whiten_advantages, args.critic_warmup, args.anchor_ratios) == (False, 20, (0.3, 0.6, 0.9))
     assert (args.prompts_per_step, args.samples_per_prompt, args.mini_batches, args.max_response_tokens) == (64, 8, 2, 8192)
-    assert common.parse_args(sp3o.Args, sp3o.TINY_PRESET, []).critic_warmup == 5
-    ablation = common.parse_args(sp3o.Args, sp3o.TINY_PRESET, ["--anchor-ratios", "0.2", "0.5", "0.8", "--tail-ratio", "0"])
+    assert infra.run.parse_args(sp3o.Args, sp3o.TINY_PRESET, []).critic_warmup == 5
+    ablation = infra.run.parse_args(sp3o.Args, sp3o.TINY_PRESET, ["--anchor-ratios", "0.2", "0.5", "0.8", "--tail-ratio", "0"])
     assert (ablation.anchor_ratios, ablation.tail_ratio) == ((0.2, 0.5, 0.8), 0.0)
 
 
@@ -146,7 +148,7 @@ def test_sp3o_end_to_end_warmup_freezes_the_actor(tmp_path):
     for record in records[:2]:  # warm-up: the actor gets no gradient and no step
         assert record["grad_norm"] == 0 and record["clip_fraction"] == 0 and record["approx_kl"] == 0
     assert records[2]["grad_norm"] > 0 and records[2]["approx_kl"] > 1e-5  # then it trains
-    start = load_file(os.path.join(common.build_tiny_model(), "model.safetensors"))
+    start = load_file(os.path.join(infra.tiny.build_tiny_model(), "model.safetensors"))
     checkpoints = os.path.join(tmp_path, name, "checkpoints")
     after_warmup = load_file(os.path.join(checkpoints, "step_000002", "policy", "model.safetensors"))
     after_update = load_file(os.path.join(checkpoints, "step_000003", "policy", "model.safetensors"))

@@ -14,6 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import common  # noqa: E402
 import tppo  # noqa: E402
+import infra.run
 
 
 def test_tracking_logits_are_z0_plus_cumulative_increments():
@@ -92,9 +93,9 @@ def test_critic_targets_are_the_outcome_with_lambda_critic_one():
 
 
 def test_lambda_defaults():
-    args = common.parse_args(tppo.Args, tppo.TINY_PRESET, ["--model", "Qwen3-8B-Base"])
+    args = infra.run.parse_args(tppo.Args, tppo.TINY_PRESET, ["--model", "Qwen3-8B-Base"])
     assert (args.lam_actor, args.lam_critic, args.critic_head, args.lr) == (0.95, 1.0, "shared", 1e-6)
-    assert common.parse_args(tppo.Args, tppo.TINY_PRESET, ["--lam-actor", "1"]).lam_actor == 1.0
+    assert infra.run.parse_args(tppo.Args, tppo.TINY_PRESET, ["--lam-actor", "1"]).lam_actor == 1.0
 
 
 @pytest.mark.parametrize("head", ["shared", "separate"])

@@ -7,6 +7,8 @@ import time
 import pytest
 
 import common
+import infra.evaluate
+import infra.verifier
 
 BOUND_S = 2.0  # the issue's bound per response, worst case, waiting for a checker included
 
@@ -16,9 +18,9 @@ def warm_pool():
     """Start the checker once (the one-time start is not charged to a response) and report its cost."""
     start = time.monotonic()
     assert common.verify("\\boxed{\\frac{1}{2}}", "0.5") == 1.0  # 1/2 = 0.5, decided by math-verify in a worker
-    common._VERIFIER.cold_start_s = time.monotonic() - start
-    common.pop_verify_timeouts()
-    return common._VERIFIER
+    infra.verifier.CHECKER.cold_start_s = time.monotonic() - start
+    infra.verifier.pop_timeouts()
+    return infra.verifier.CHECKER
 
 
 def timed_verify(response, gold):
@@ -88,26 +90,26 @@ def test_adversarial_corpus_is_bounded(warm_pool, capsys):
 def test_hostile_in_a_row_then_correct(warm_pool):
     """Each hostile response costs one timeout and one killed checker; the answer right after still gets a warm
     checker within its own budget (no false 0 from a checker still starting up)."""
-    common.pop_verify_timeouts()
+    infra.verifier.pop_timeouts()
     for _ in range(4):
         score, seconds = timed_verify("\\boxed{9^{9^{9^{9^{9}}}}}", "1")
         assert score == 0.0 and seconds < BOUND_S
-    assert common.pop_verify_timeouts() == 4  # each one counted
+    assert infra.verifier.pop_timeouts() == 4  # each one counted
     for response, gold in [("\\boxed{2x+1}", "1+2x"), ("\\boxed{\\frac{3}{4}}", "0.75"), ("\\boxed{(1,2]}", "(1,2]")]:
         score, seconds = timed_verify(response, gold)
         assert score == 1.0 and seconds < BOUND_S, (response, seconds)
-    assert common.pop_verify_timeouts() == 0
+    assert infra.verifier.pop_timeouts() == 0
 
 
 def test_timeouts_reach_rollout_metrics(warm_pool):
     import torch
-    common.pop_verify_timeouts()
+    infra.verifier.pop_timeouts()
     assert common.verify("\\boxed{9^{9^{9^{9^{9}}}}}", "1") == 0.0
     completion = common.Completion(0, [5, 6], "ab", [-0.5, -0.25], "stop")
-    metrics = common.rollout_metrics([completion], torch.tensor([0.0]), torch.tensor([[-0.5, -0.25]]),
+    metrics = infra.evaluate.rollout_metrics([completion], torch.tensor([0.0]), torch.tensor([[-0.5, -0.25]]),
                                      torch.tensor([[True, True]]))
     assert metrics["verify_timeouts"] == 1
-    assert common.pop_verify_timeouts() == 0  # reported once, then reset
+    assert infra.verifier.pop_timeouts() == 0  # reported once, then reset
 
 
 def test_checkers_ignore_ctrl_c(warm_pool):

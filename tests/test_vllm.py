@@ -1,4 +1,4 @@
-"""The rollout engine choice (--generator auto|hf|vllm) and the vLLM backend (common.VLLMGenerator).
+"""The rollout engine choice (--generator auto|hf|vllm) and the vLLM backend (infra.vllm_engine.VLLMGenerator).
 
 Three layers: the choice itself (runs anywhere); VLLMGenerator's own logic against a stand-in `vllm` module that
 records the calls (runs anywhere; it checks our glue code, not vLLM); and the real engine, which runs only where
@@ -14,6 +14,9 @@ import pytest
 import torch
 
 import common
+import infra.engine
+import infra.tiny
+import infra.vllm_engine
 
 
 def _vllm_missing():
@@ -38,24 +41,14 @@ def tiny_cpu():
 # ------------------------------------------------------------------------------------------------
 # Choosing the engine
 # ------------------------------------------------------------------------------------------------
-def test_resolve_generator_choices():
-    assert common.resolve_generator("hf", "cuda") == "hf"
-    assert common.resolve_generator("auto", "cpu") == "hf"  # the policy on CPU: Hugging Face generate
-    with pytest.raises(common.UserError, match="CUDA"):
-        common.resolve_generator("vllm", "cpu")
-    with pytest.raises(common.UserError, match="auto, hf or vllm"):
-        common.resolve_generator("sglang", "cuda")
-
-
-@pytest.mark.skipif(not VLLM_MISSING, reason="vllm and CUDA are present here: auto picks vLLM")
 def test_auto_falls_back_to_hf_without_vllm_or_cuda(tiny_cpu):
     model, tokenizer = tiny_cpu
-    generator = common.make_generator("auto", model, tokenizer)
-    assert isinstance(generator, common.HFGenerator) and generator.engine == "hf"
+    generator = infra.engine.make_generator("auto", model, tokenizer)
+    assert isinstance(generator, infra.engine.HFGenerator) and generator.engine == "hf"
     generator.sleep()  # no-ops: HF generate runs on the trainer's model
     generator.wake_up()
-    with pytest.raises(common.UserError, match="--generator vllm"):
-        common.make_generator("vllm", model, tokenizer)
+    with pytest.raises(infra.UserError, match="--generator vllm"):
+        infra.engine.make_generator("vllm", model, tokenizer)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -121,7 +114,7 @@ def fake_vllm(monkeypatch):
 
 def test_vllm_generator_engine_arguments(fake_vllm, tiny_cpu):
     model, tokenizer = tiny_cpu
-    generator = common.VLLMGenerator(model, tokenizer, gpu_memory_utilization=0.3, seed=5)
+    generator = infra.vllm_engine.VLLMGenerator(model, tokenizer, gpu_memory_utilization=0.3, seed=5)
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # engine core in this process
     assert generator.llm.kwargs == dict(model=model.name_or_path, tokenizer=model.name_or_path, dtype="float32",
                                         seed=5, gpu_memory_utilization=0.3, enable_sleep_mode=True,
@@ -130,7 +123,7 @@ def test_vllm_generator_engine_arguments(fake_vllm, tiny_cpu):
 
 def test_vllm_generator_completions(fake_vllm, tiny_cpu):
     model, tokenizer = tiny_cpu
-    generator = common.VLLMGenerator(model, tokenizer)
+    generator = infra.vllm_engine.VLLMGenerator(model, tokenizer)
     eos = tokenizer.eos_token_id
     completions = generator.generate([[40, 41], [50]], n=2, max_tokens=8, temperature=1.0)
     assert generator.llm.calls == [("generate", 2, 2)]
@@ -146,7 +139,7 @@ def test_vllm_generator_completions(fake_vllm, tiny_cpu):
 
 def test_vllm_generator_sleep_and_weight_sync_order(fake_vllm, tiny_cpu):
     model, tokenizer = tiny_cpu
-    generator = common.VLLMGenerator(model, tokenizer)
+    generator = infra.vllm_engine.VLLMGenerator(model, tokenizer)
     generator.sleep()
     generator.sleep()  # already asleep: no second call
     generator.sync_weights(model)
@@ -169,7 +162,7 @@ def test_vllm_generator_sleep_and_weight_sync_order(fake_vllm, tiny_cpu):
 @pytest.fixture(scope="module")
 def engine():
     model, tokenizer = common.load_model("tiny", "float32", "cuda")
-    generator = common.make_generator("vllm", model, tokenizer, gpu_memory_utilization=0.2)
+    generator = infra.engine.make_generator("vllm", model, tokenizer, gpu_memory_utilization=0.2)
     return model, tokenizer, generator
 
 
@@ -185,7 +178,7 @@ def _trainer_logprobs(model, tokenizer, prompts, completions, temperature):
 def test_vllm_logprobs_match_the_trainer(engine):
     model, tokenizer, generator = engine
     assert generator.engine == "vllm"
-    prompts = [common.prompt_ids(tokenizer, row["question"]) for row in common.builtin_rows("test", 8, 0)]
+    prompts = [common.prompt_ids(tokenizer, row["question"]) for row in infra.tiny.builtin_rows("test", 8, 0)]
     for temperature in (1.0, 0.7):
         completions = generator.generate(prompts, 4, 48, temperature, 1.0)
         assert len(completions) == 32 and [c.prompt_index for c in completions] == [i // 4 for i in range(32)]
@@ -198,7 +191,7 @@ def test_vllm_logprobs_match_the_trainer(engine):
 @needs_vllm
 def test_vllm_weight_sync_changes_outputs(engine):
     model, tokenizer, generator = engine
-    prompts = [common.prompt_ids(tokenizer, row["question"]) for row in common.builtin_rows("test", 8, 0)]
+    prompts = [common.prompt_ids(tokenizer, row["question"]) for row in infra.tiny.builtin_rows("test", 8, 0)]
     before = [c.token_ids for c in generator.generate(prompts, 1, 48, 0.0)]
     norm = model.model.norm.weight
     try:

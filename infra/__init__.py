@@ -1,0 +1,18 @@
+"""Plumbing the trainers share and a reader of a method file may skip: each module owns one concern.
+
+    run.py         the command line (a base Args of run flags), the run folder, the step loop's logging,
+                   evaluation schedule, checkpoints and Ctrl-C / SIGTERM
+    dist.py        torchrun and FSDP2: ranks, collectives, sharding
+    data.py        datasets (files, hub ids, the built-in task) and the order of training rows
+    tiny.py        the built-in task and the built-in tiny model
+    engine.py      the Hugging Face rollout engine, and the choice of engine
+    vllm_engine.py the vLLM rollout engine (optional: vLLM is imported there only)
+    verifier.py    the math-verify checker process behind common.verify
+    evaluate.py    held-out evaluation (avg@n, pass@k) and rollout metrics
+    probes.py      critic diagnostics against Monte Carlo values
+    checkpoint.py  checkpoints (sharded and Hugging Face format) and exact resume
+"""
+
+
+class UserError(Exception):
+    """Bad input from the user (flags, data, paths): printed as one line, no traceback."""

@@ -1,0 +1,187 @@
+"""Datasets: rows {"question", "answer"} from the built-in task, a .jsonl / .json / .parquet file or a hub dataset
+id, with `file:line` errors for bad rows; and the order in which training rows are drawn (a function of the step
+alone, so a resumed run sees the same data).
+"""
+import json
+import math
+import os
+import re
+import sys
+
+import numpy as np
+
+from common import extract_answer
+from infra import UserError
+from infra.tiny import builtin_rows
+
+QUESTION_FIELDS, ANSWER_FIELDS = ("question", "problem", "prompt"), ("answer", "solution", "ground_truth")
+
+
+def gold_answer(value):
+    """Normalize a gold field: GSM8K `... #### 18` -> `18`, a MATH solution -> its last \\boxed{}, numbers -> str.
+    None for anything unusable (empty, not a string or a finite number)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        if isinstance(value, float):  # 27.0 -> "27", 0.5 -> "0.5", 1234567.0 -> "1234567" (never 1.23e+06)
+            return (str(int(value)) if value.is_integer() else repr(value)) if math.isfinite(value) else None
+        return str(value)
+    if not isinstance(value, str) or not value.strip():
+        return None
+    if "####" in value:
+        return value.rsplit("####", 1)[1].strip().replace(",", "") or None
+    return extract_answer(value) or value.strip()
+
+
+def row_to_example(row, where):
+    if not isinstance(row, dict):
+        raise UserError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    fields = f"the row has: {', '.join(map(str, list(row)[:8])) or 'no fields'}{' ...' if len(row) > 8 else ''}"
+    question = next((row[k] for k in QUESTION_FIELDS if isinstance(row.get(k), str) and row[k].strip()), None)
+    if question is None:
+        raise UserError(f"{where}: no question field (one of {', '.join(QUESTION_FIELDS)}; {fields})")
+    answer_key = next((k for k in ANSWER_FIELDS if row.get(k) not in (None, "")), None)
+    answer = gold_answer(row.get(answer_key)) if answer_key else None
+    if answer is None:
+        raise UserError(f"{where}: no answer field (one of {', '.join(ANSWER_FIELDS)}), or it is empty or not "
+                        f"a string or number ({fields})")
+    return {"question": question, "answer": answer}
+
+
+DATA_EXTENSIONS = (".jsonl", ".json", ".parquet")
+
+
+def _json_array_rows(spec, text):
+    """(spec:line, item) for each item of a JSON array, the line being where the item starts."""
+    decoder, blank, rows = json.JSONDecoder(), re.compile(r"\s*"), []
+    position = blank.match(text).end() + 1  # past the [
+    line, counted = 1, 0
+    try:
+        position = blank.match(text, position).end()
+        while text[position:position + 1] != "]":
+            line, counted = line + text.count("\n", counted, position), position
+            item, position = decoder.raw_decode(text, position)
+            rows.append((f"{spec}:{line}", item))
+            position = blank.match(text, position).end()
+            if text[position:position + 1] == ",":
+                position = blank.match(text, position + 1).end()
+            elif text[position:position + 1] != "]":
+                raise json.JSONDecodeError("expected ',' or ']' after an item", text, position)
+        if text[position + 1:].strip():
+            raise json.JSONDecodeError("extra data after the array", text, position + 1)
+    except json.JSONDecodeError as error:
+        raise UserError(f"{spec}:{error.lineno}: invalid JSON ({error.msg})")
+    return rows
+
+
+def _read_file_rows(spec, flag):
+    """(where, row or UserError) for each row of a local .jsonl/.json/.parquet file."""
+    if os.path.isdir(spec):
+        inside = sorted(f for f in os.listdir(spec) if f.endswith(DATA_EXTENSIONS))
+        raise UserError(f"{flag} {spec!r} is a directory; give a file in it"
+                        + (f" ({', '.join(inside[:5])})" if inside else " (it holds no .jsonl/.json/.parquet file)"))
+    if not spec.endswith(DATA_EXTENSIONS):
+        raise UserError(f"{flag} {spec!r}: unsupported file type (use .jsonl, .json or .parquet)")
+    try:
+        if spec.endswith(".parquet"):
+            import pyarrow.parquet
+            try:
+                table = pyarrow.parquet.read_table(spec)
+            except (OSError, ValueError) as error:  # pyarrow's ArrowInvalid is a ValueError
+                raise UserError(f"{flag} {spec!r}: not a readable parquet file ({str(error).splitlines()[0]})")
+            return [(f"{spec}:row {i + 1}", row) for i, row in enumerate(table.to_pylist())]
+        with open(spec, "rb") as handle:
+            data = handle.read()
+    except OSError as error:  # permissions, a broken disk ...
+        raise UserError(f"{flag} {spec!r}: cannot read it ({error.strerror or error})")
+    if spec.endswith(".json") and data.lstrip().startswith(b"["):
+        try:
+            return _json_array_rows(spec, data.decode("utf-8-sig"))
+        except UnicodeDecodeError as error:
+            line = data.count(b"\n", 0, error.start) + 1
+            raise UserError(f"{spec}:{line}: not UTF-8 text ({error.reason})")
+    rows = []
+    for number, line in enumerate(data.split(b"\n"), 1):  # JSON Lines (also what datasets' to_json writes)
+        try:
+            text = line.decode("utf-8-sig" if number == 1 else "utf-8")
+        except UnicodeDecodeError as error:
+            rows.append((f"{spec}:{number}", UserError(f"{spec}:{number}: not UTF-8 text ({error.reason})")))
+            continue
+        if not text.strip():
+            continue
+        try:
+            rows.append((f"{spec}:{number}", json.loads(text)))
+        except json.JSONDecodeError as error:
+            hint = ""
+            if number == 1 and spec.endswith(".json"):
+                hint = "; a .json file must be an array of objects, or one object per line"
+            rows.append((f"{spec}:{number}", UserError(f"{spec}:{number}: invalid JSON ({error.msg}{hint})")))
+    return rows
+
+
+def load_rows(spec, split="train", n_builtin=None, seed=0, skip_bad_rows=False, flag="--dataset"):
+    """Rows {"question", "answer"} from `builtin`, a .jsonl/.json/.parquet file, or a hub dataset id.
+    Raises UserError naming `file:line` for a bad row (or skips it with skip_bad_rows, reporting the count),
+    and for an unreadable or empty file."""
+    if spec == "builtin":
+        return builtin_rows(split, n_builtin or 4096, seed)
+    if os.path.exists(spec):
+        raw = _read_file_rows(spec, flag)
+    elif spec.endswith(DATA_EXTENSIONS) or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+        raise UserError(f"{flag} {spec!r}: no such file (or a hub id: org/name)")
+    else:
+        try:
+            import datasets
+            raw = [(f"{spec}[{i}]", r) for i, r in enumerate(datasets.load_dataset(spec, split=split))]
+        except Exception as error:  # hub unreachable, no `datasets` package, no such split ...
+            raise UserError(f"{flag} {spec!r}: not a local file and the hub dataset could not be loaded "
+                            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})")
+    rows, bad = [], []
+    for where, row in raw:
+        try:
+            if isinstance(row, UserError):
+                raise row
+            rows.append(row_to_example(row, where))
+        except UserError as error:
+            if not skip_bad_rows:
+                raise
+            bad.append(str(error))
+    if not raw:
+        raise UserError(f"{flag} {spec!r}: no rows (the dataset is empty)")
+    if not rows:
+        raise UserError(f"{flag} {spec!r}: all {len(bad)} rows are bad; the first: {bad[0]}")
+    if bad:
+        print(f"skipped {len(bad)} bad rows of {len(raw)} in {spec} (the first: {bad[0]})", file=sys.stderr)
+    return rows
+
+
+def load_eval_sets(specs, limit=0, skip_bad_rows=False):
+    """{name: rows} for eval datasets given as a comma-separated string or a list/tuple of specs (`builtin` =
+    the task's held-out split); a file `math500/test.jsonl` is named `math500`, a repeated name gets `_2`, `_3`.
+    `limit` > 0 keeps the first `limit` rows of each."""
+    sets = {}
+    specs = [specs] if isinstance(specs, str) else specs
+    for spec in [s.strip() for item in specs for s in item.split(",") if s.strip()]:
+        name = os.path.splitext(os.path.basename(spec))[0]
+        name = os.path.basename(os.path.dirname(spec)) or name if name in ("test", "train", "validation") else name
+        base, copy = name, 1
+        while name in sets:
+            copy += 1
+            name = f"{base}_{copy}"
+        sets[name] = load_rows(spec, "test", n_builtin=limit or 256, skip_bad_rows=skip_bad_rows,
+                               flag="--eval-datasets")[:limit or None]
+    if not sets:
+        raise UserError("--eval-datasets is empty: give at least one file, hub id or `builtin`")
+    return sets
+
+
+def step_rows(rows, step, count, seed):
+    """The `count` training rows of rollout `step`: a fresh seeded shuffle per pass over the data, so the
+    data position is a function of the step alone (exact resume)."""
+    orders, picked = {}, []
+    for position in range(step * count, (step + 1) * count):
+        epoch, index = divmod(position, len(rows))
+        if epoch not in orders:
+            orders[epoch] = np.random.default_rng([seed, epoch]).permutation(len(rows))
+        picked.append(rows[orders[epoch][index]])
+    return picked

@@ -1,0 +1,135 @@
+"""Several processes: `torchrun --nproc-per-node N <trainer>.py ...` runs one process (rank) per GPU, or per CPU
+slot with gloo. Every model is sharded over the ranks (FSDP2 fully_shard); each rank generates and scores its
+share of the prompts with a whole copy of the policy (the HF engine, or one vLLM engine per rank). Losses divide
+by the mean token count per rank, so the gradients FSDP averages are those of the global token-mean loss.
+Without torchrun every function here is the identity.
+"""
+import os
+import sys
+
+import torch
+
+from infra import UserError
+
+
+def rank():
+    return int(os.environ.get("RANK", 0))
+
+
+def world_size():
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def distributed():
+    """True when this run was launched with several ranks (torchrun sets WORLD_SIZE), whatever process groups a
+    library (vLLM's engine, say) set up in this process on its own."""
+    return world_size() > 1
+
+
+def default_device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_device(device=""):
+    """This process's torch device. Under torchrun (WORLD_SIZE > 1) it joins the process group first: NCCL with one
+    GPU per rank (LOCAL_RANK), gloo on CPU; ranks other than 0 print nothing to stdout."""
+    device = device or default_device()
+    if distributed() and not torch.distributed.is_initialized():
+        if device.startswith("cuda"):
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+            torch.cuda.set_device(device)
+        torch.distributed.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        if rank() > 0:
+            sys.stdout = open(os.devnull, "w")
+    return device
+
+
+def _communicable(tensor):
+    """NCCL moves CUDA tensors only."""
+    return tensor.cuda() if torch.distributed.get_backend() == "nccl" else tensor
+
+
+def gather_objects(value):
+    """[value of rank 0, value of rank 1, ...] (picklable values); [value] without torchrun."""
+    if not distributed():
+        return [value]
+    values = [None] * world_size()
+    torch.distributed.all_gather_object(values, value)
+    return values
+
+
+def gather_all(tensor):
+    """Every rank's `tensor`, concatenated along dim 0 in rank order (the ranks may hold different numbers of rows)."""
+    if not distributed():
+        return tensor
+    sizes = gather_objects(tensor.shape[0])
+    padded = _communicable(tensor.new_zeros((max(sizes),) + tuple(tensor.shape[1:])))
+    padded[:tensor.shape[0]] = _communicable(tensor)
+    parts = [torch.empty_like(padded) for _ in sizes]
+    torch.distributed.all_gather(parts, padded)
+    return torch.cat([part[:size] for part, size in zip(parts, sizes)]).to(tensor.device)
+
+
+def broadcast_object(value):
+    """Rank 0's `value` on every rank (picklable values)."""
+    if not distributed():
+        return value
+    holder = [value]
+    torch.distributed.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def all_sum(tensor):
+    """The element-wise sum over ranks of a small float tensor (float64 on the wire)."""
+    if not distributed():
+        return tensor
+    total = _communicable(tensor.detach().to(torch.float64))
+    torch.distributed.all_reduce(total)
+    return total.to(tensor.device, tensor.dtype)
+
+
+def rank_mean(value):
+    """The mean over ranks of a number or a one-element tensor, as a float (itself without torchrun)."""
+    return float(all_sum(torch.tensor([float(value)], dtype=torch.float64))) / world_size()
+
+
+def mean_std(values):
+    """Mean and standard deviation (Bessel-corrected; 0 for a single value) of `values` pooled over every rank,
+    from one all-reduce of (count, sum, sum of squares)."""
+    values = values.detach().double()
+    count, total, squares = all_sum(torch.stack([values.new_tensor(values.numel()), values.sum(), (values ** 2).sum()]))
+    mean = total / count.clamp(min=1)
+    variance = (squares - count * mean ** 2).clamp(min=0) / (count - 1).clamp(min=1)
+    return mean.float(), variance.sqrt().float()
+
+
+def rank_share(items):
+    """This rank's contiguous share of `items` (a list or a tensor); the shares in rank order make up `items`."""
+    if not distributed():
+        return items
+    if len(items) % world_size():
+        raise UserError(f"{len(items)} prompts do not split evenly over {world_size()} processes: make "
+                        f"--prompts-per-step a multiple of --nproc-per-node (times the number of nodes)")
+    share = len(items) // world_size()
+    return items[rank() * share:(rank() + 1) * share]
+
+
+def shard_model(model, compute_dtype):
+    """FSDP2 over all ranks: each decoder layer a unit (the architecture's _no_split_modules), then the rest
+    (embeddings, final norm, heads). Parameters stay float32; forward and backward run in `compute_dtype`."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    precision = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    layer_names = set(getattr(model, "_no_split_modules", None) or [])
+    for module in model.modules():
+        if type(module).__name__ in layer_names:
+            fully_shard(module, mp_policy=precision)
+    fully_shard(model, mp_policy=precision)
+    return model
+
+
+def full_weights(model):
+    """(name, whole tensor) for each entry of model.state_dict(), an FSDP shard gathered one tensor at a time
+    (under torchrun every rank must iterate: each gather is collective)."""
+    from torch.distributed.tensor import DTensor
+    for name, tensor in model.state_dict().items():
+        yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
