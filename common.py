@@ -49,6 +49,9 @@ def load_model(name_or_path, dtype="auto", device=None, trust_remote_code=False,
     `dtype` (auto: bfloat16 on GPU, float32 on CPU): mixed precision, so a 1e-6 step is not rounded away in bf16.
     Under torchrun the model comes back sharded over the ranks (shard_model)."""
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers.utils import logging as transformers_logging
+    transformers_logging.set_verbosity_error()  # e.g. the value head's expected "newly initialized" load report
+    transformers_logging.disable_progress_bar()  # "Loading weights" and "Writing model shards" bars
     path, device = resolve_model_name(name_or_path), device or dist.default_device()
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"

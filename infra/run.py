@@ -8,6 +8,7 @@ import io
 import json
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -150,9 +151,10 @@ def run_directory(args, trainer_file):
 
 
 class Logger:
-    SHOWN = ["reward", "accuracy", "response_length", "policy_loss", "value_loss", "clip_fraction", "approx_kl",
-             "grad_norm", "tokens_per_s", "rollout_s", "update_s", "mc_tokens", "repetition", "explained_variance",
-             "probe/mse_60", "probe/sign_acc_tau1", "probe/effective_rank", "probe_s", "eval/accuracy"]
+    # The step line: what a user acts on, in this order, cut to 120 columns; every metric goes to metrics.jsonl.
+    SHOWN = {"reward": "reward", "eval/accuracy": "eval", "response_length": "len", "policy_loss": "loss", "value_loss": "vloss",
+             "clip_fraction": "clip", "approx_kl": "kl", "grad_norm": "gnorm", "explained_variance": "ev",
+             "probe/sign_acc_tau1": "sign", "mc_tokens": "mc_tok", "tokens_per_s": "tok/s"}
 
     def __init__(self, run_dir, args):
         self.path, self.tensorboard, self.wandb = os.path.join(run_dir, "metrics.jsonl"), None, None
@@ -179,14 +181,25 @@ class Logger:
             return
         with open(self.path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
-        write(f"step {step:4d} " + " ".join(f"{key.replace('/', '_')}={record[key]:.4g}"
-                                             for key in self.SHOWN if key in record))
+        write(self.step_line(record))
         if self.tensorboard:
             for key, value in record.items():
                 if key != "step":
                     self.tensorboard.add_scalar(key, value, step)
         if self.wandb:
             self.wandb.log(record, step=step)
+
+
+    def step_line(self, record):
+        """`step   12 reward 0.461 len 38.4 loss -0.00305 ...`, at most 120 characters; `(critic warm-up)` while
+        the actor is frozen."""
+        line = f"step {record['step']:4d}" + (" (critic warm-up)" if record.get("actor_frozen") else "")
+        for key, label in self.SHOWN.items():
+            if key in record:
+                value = record[key]
+                part = f" {label} {value:.0f}" if abs(value) >= 100 else f" {label} {value:.3g}"
+                line += part if len(line) + len(part) <= 120 else ""
+        return line
 
 
 class StopOnCtrlC:
@@ -235,7 +248,8 @@ class Run:
                                          skip_bad_rows=args.skip_bad_rows)
         self.eval_sets = data.load_eval_sets(args.eval_datasets, args.eval_problems, args.skip_bad_rows)
         self.probe_rows = next(iter(self.eval_sets.values()))  # held-out prompts of the critic probes
-        self.skipped_in_a_row, self.stopping = 0, False
+        self.skipped_in_a_row, self.stopping, self.first_eval, self.last = 0, False, {}, (0, {})
+        self.trainer, self.started = os.path.basename(trainer_file), time.time()
         seed_everything(args.seed)
 
     def start(self, models, optimizers, tokenizer):
@@ -277,9 +291,13 @@ class Run:
         try:
             for step in progress:
                 due = step == self.start_step or (self.args.eval_every and step % self.args.eval_every == 0)
-                yield step, self.evaluate() if due else {}
+                metrics = self.evaluate() if due else {}
+                self.first_eval = self.first_eval or metrics
+                yield step, metrics
                 if self.stopping:
                     break
+            progress.close()
+            print(self.summary(*self.last))
         finally:
             self.ctrl_c.restore()
 
@@ -306,6 +324,22 @@ class Run:
             self.save(step + 1)
         if self.stopping:
             self.write(f"stopped after step {step}; continue with --resume {self.dir}")
+        self.last = (step + 1, metrics)
+
+    def summary(self, steps_done, last_metrics):
+        """What a finished (or stopped) run leaves: held-out figures first and last, time, where, what next."""
+        lines = [f"{self.trainer}: {steps_done - self.start_step} steps in {time.time() - self.started:.0f} s; "
+                 f"run folder {self.dir}"]
+        for key, first in self.first_eval.items():
+            if re.search(r"/(avg|pass)@\d+$", key) and key in last_metrics:
+                lines.append(f"  {key}: {first:.4f} at step {self.start_step} -> {last_metrics[key]:.4f} at step "
+                             f"{steps_done}")
+        checkpoint = os.path.join(self.dir, "checkpoints", f"step_{steps_done:06d}", "policy")
+        more = max(self.args.steps, 2 * steps_done)
+        lines.append(f"  continue: python {self.trainer} --resume {self.dir} --steps {more}")
+        lines.append(f"  evaluate: python {self.trainer} --eval-only --model {checkpoint} "
+                     f"--eval-datasets {' '.join(self.args.eval_datasets)}")
+        return "\n".join(lines)
 
     def save(self, step):
         return save_checkpoint(self.dir, step, self.models, self.optimizers, self.tokenizer,
