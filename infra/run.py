@@ -297,7 +297,8 @@ class Run:
                 if self.stopping:
                     break
             progress.close()
-            print(self.summary(*self.last))
+            if dist.rank() == 0:
+                print(self.summary(*self.last))
         finally:
             self.ctrl_c.restore()
 
