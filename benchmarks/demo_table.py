@@ -1,12 +1,15 @@
-"""Run the built-in CPU demo of each trainer for several seeds and print the README's table.
+"""Run the built-in CPU demo of each trainer for several seeds, print the README's table and draw the figure.
 
-    python benchmarks/demo_table.py --methods grpo ppo --seeds 0 1 2
+    python benchmarks/demo_table.py --methods grpo ppo --seeds 0 1 2 --jobs 2 --eval-every 10
 
-Each run is `python <method>.py --seed S --run-name demo_<method>_s<S>` with the file's tiny preset; the table
-gives held-out greedy accuracy at the first step (before any update) and after the last step, mean ± std over
-seeds, and the wall time of each run (model loading and evaluation included).
+Each run is `python <method>.py --seed S --run-name demo_<method>_s<S>` with the file's tiny preset (flags this
+script does not know go to every run); the table gives held-out greedy accuracy at the first step (before any
+update) and after the last step, mean ± std over seeds, and the wall time of each run (model loading and
+evaluation included). The learning curves go to <output-dir>/curves.png (infra.plot). A failed run prints the
+end of its output.
 """
 import argparse
+import concurrent.futures
 import json
 import os
 import statistics
@@ -20,8 +23,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run(method, seed, output_dir, extra):
     name = f"demo_{method}_s{seed}"
     start = time.time()
-    subprocess.run([sys.executable, f"{method}.py", "--seed", str(seed), "--run-name", name, "--output-dir", output_dir,
-                    *extra], cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    command = [sys.executable, f"{method}.py", "--seed", str(seed), "--run-name", name, "--output-dir", output_dir,
+               *extra]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")))
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(command[1:])} failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
     seconds = time.time() - start
     with open(os.path.join(ROOT, output_dir, name, "metrics.jsonl")) as handle:
         records = [json.loads(line) for line in handle]
@@ -38,16 +45,23 @@ def main():
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--output-dir", default="runs/demo_table")
     parser.add_argument("--results", default="runs/demo_table/results.jsonl", help="append each run's numbers here")
+    parser.add_argument("--jobs", type=int, default=1, help="runs side by side (each with OMP_NUM_THREADS threads)")
     args, extra = parser.parse_known_args()
     os.makedirs(os.path.join(ROOT, os.path.dirname(args.results)), exist_ok=True)
     results = []
-    for method in args.methods:
-        for seed in args.seeds:
-            result = run(method, seed, args.output_dir, extra)
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        jobs = [pool.submit(run, method, seed, args.output_dir, extra) for method in args.methods for seed in args.seeds]
+        for job in concurrent.futures.as_completed(jobs):
+            result = job.result()
             print(json.dumps(result), flush=True)
             with open(os.path.join(ROOT, args.results), "a") as handle:
                 handle.write(json.dumps(result) + "\n")
             results.append(result)
+    sys.path.insert(0, ROOT)
+    import infra.plot
+    runs = [os.path.join(ROOT, args.output_dir, f"demo_{m}_s{s}") for m in args.methods for s in args.seeds]
+    print("figure:", infra.plot.plot(runs, os.path.join(ROOT, args.output_dir, "curves.png"),
+                                     f"built-in task, {len(args.seeds)} seeds per method"))
     print("| method | first accuracy | last accuracy | gain | wall time per run | Monte Carlo tokens |")
     print("|---|---|---|---|---|---|")
     for method in args.methods:
