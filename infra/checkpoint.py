@@ -45,9 +45,13 @@ def _fsync(path):
 
 
 def _fsync_tree(path):
-    """Flush a directory tree to disk, so a power loss after the rename cannot leave truncated files."""
+    """Flush a directory tree to disk, so a power loss after the rename cannot leave truncated files. Files get the
+    usual permissions (safetensors writes through a private temporary file, mode 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
     for directory, _, files in os.walk(path):
         for name in files:
+            os.chmod(os.path.join(directory, name), 0o666 & ~umask)
             _fsync(os.path.join(directory, name))
         _fsync(directory)
 

@@ -120,6 +120,9 @@ def check_ranges(args):
     for name in ("top_p", "eval_top_p"):
         if not 0 < getattr(args, name, 1.0) <= 1:
             raise UserError(f"--{name.replace('_', '-')} must be in (0, 1], got {getattr(args, name)}")
+    if getattr(args, "eval_n", 1) > 1 and getattr(args, "eval_temperature", 1.0) == 0:
+        print(f"warning: --eval-n {args.eval_n} with greedy evaluation (--eval-temperature 0) draws {args.eval_n} "
+              "identical samples, so pass@k = avg@n; add --eval-temperature 1.0 to sample", file=sys.stderr)
 
 
 def run_main(main):
@@ -142,6 +145,11 @@ def run_directory(args, trainer_file):
     if args.resume and not args.run_name:
         return os.path.abspath(args.resume).split(os.sep + "checkpoints")[0]
     method = os.path.splitext(os.path.basename(trainer_file))[0]
+    checkpoint = re.search(r"([^/]+)/checkpoints/step_0*(\d+)/policy/?$", os.path.abspath(args.model))
+    if args.eval_only:  # one folder per evaluated model: runs/eval_<run>_step<n> for a checkpoint; reused
+        model = f"{checkpoint.group(1)}_step{checkpoint.group(2)}" if checkpoint else os.path.basename(
+            args.model.rstrip("/"))
+        return os.path.join(args.output_dir, args.run_name or f"eval_{model}")
     model = os.path.basename(args.model.rstrip("/"))
     name = args.run_name or f"{method}_{model}_s{args.seed}_{time.strftime('%Y%m%d-%H%M%S')}"
     path = dist.broadcast_object(os.path.join(args.output_dir, name))  # rank 0's: the clock may tick between ranks

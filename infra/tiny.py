@@ -10,6 +10,7 @@ import shutil
 import torch
 
 import common
+from infra import UserError
 
 CACHE_DIR = os.path.expanduser(os.environ.get("RL_REASONING_CACHE", "~/.cache/rl-reasoning"))
 TINY_MODEL_VERSION = "tiny-v2"  # bump when build_tiny_model changes, so stale caches are not reused
@@ -59,7 +60,7 @@ def build_tiny_model(cache_dir=CACHE_DIR, sft_steps=400, seed=0):
     """Build (once) the built-in tiny model: a 2-layer Qwen3 with a character tokenizer, supervised on
     the built-in addition task where 60% of the examples ignore carries. It starts at roughly 20-30%
     greedy held-out accuracy, so RL has a habit to fix. Cached as a normal HF checkpoint directory.
-    Rebuild by hand with `python common.py build-tiny`."""
+    Rebuild by hand with `python -m infra.tiny`."""
     path = os.path.join(cache_dir, TINY_MODEL_VERSION)
     if os.path.exists(os.path.join(path, "config.json")):
         return path
@@ -70,7 +71,7 @@ def build_tiny_model(cache_dir=CACHE_DIR, sft_steps=400, seed=0):
     core = Tokenizer(models.WordLevel(vocab, unk_token="<|unk|>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
-    core.add_tokens([AddedToken(common.INSTRUCTION, normalized=False)])  # one token for the fixed instruction: short prompts
+    core.add_tokens([AddedToken(common.INSTRUCTION, normalized=False)])  # the instruction as one token: short prompts
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<|pad|>", eos_token="<|endoftext|>",
                                         unk_token="<|unk|>", clean_up_tokenization_spaces=False)
     config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=512, num_hidden_layers=2,
@@ -82,18 +83,21 @@ def build_tiny_model(cache_dir=CACHE_DIR, sft_steps=400, seed=0):
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=sft_steps, pct_start=0.1)
     from tqdm import tqdm
-    for _ in tqdm(range(sft_steps), desc="building the tiny model (one time)", leave=False):
-        rows = [addition_problem(rng, "train") for _ in range(64)]
-        prompts = [tokenizer(common.plain_prompt(r["question"]))["input_ids"] for r in rows]
-        answers = [tokenizer(addition_solution(r["a"], r["b"], carries=rng.random() > 0.6))["input_ids"]
-                   + [tokenizer.eos_token_id] for r in rows]
-        batch = common.sequence_batch(prompts, answers, tokenizer.pad_token_id)
-        logits = model(**batch.model_inputs(), logits_to_keep=batch.response_width + 1).logits[:, :-1]
-        loss = torch.nn.functional.cross_entropy(logits[batch.response_mask], batch.response_ids[batch.response_mask])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        schedule.step()
+    try:
+        for _ in tqdm(range(sft_steps), desc="building the tiny model (one time)", leave=False):
+            rows = [addition_problem(rng, "train") for _ in range(64)]
+            prompts = [tokenizer(common.plain_prompt(r["question"]))["input_ids"] for r in rows]
+            answers = [tokenizer(addition_solution(r["a"], r["b"], carries=rng.random() > 0.6))["input_ids"]
+                       + [tokenizer.eos_token_id] for r in rows]
+            batch = common.sequence_batch(prompts, answers, tokenizer.pad_token_id)
+            logits = model(**batch.model_inputs(), logits_to_keep=batch.response_width + 1).logits[:, :-1]
+            loss = torch.nn.functional.cross_entropy(logits[batch.response_mask], batch.response_ids[batch.response_mask])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+    except KeyboardInterrupt:  # nothing half-built is cached: the next run builds it again
+        raise UserError("interrupted while building the tiny model (nothing was cached; the next run builds it)")
     staging = path + f".tmp{os.getpid()}"
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
