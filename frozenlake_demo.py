@@ -13,12 +13,13 @@ Per map size and seed (each seed draws its own map, data and critic initialisati
   value reported is for gamma = 1. Exact V^pi: the linear Bellman system from `env.unwrapped.P`.
 - Encoding: a Gaussian bump per cell, phi(s)_j = exp(-|c_s - c_j|^2 / 2) (width 1 cell): neighbouring
   cells look alike, as neighbouring LLM prefixes do, yet any map is representable.
-- Critics: one tanh MLP each; same data, same batches, same number of Adam steps; positions are the T
-  states s_0..s_{T-1} a trajectory acts from. (a) dense: MSE against R at every position (PPO with
-  gamma = lambda = 1, no value clipping); (b) anchors: the same MSE only at SP3O's anchors
-  (`sp3o.anchor_positions`), mean per trajectory, then over trajectories (released launcher);
-  (c) tracking (TPPO, shared head g): z_0 = g(0, phi(s_0)) and a free increment per transition,
-  delta_t = g(phi(s_{t-1}), phi(s_t)), the analogue of the token that moved the prefix
+- Critics: one tanh MLP each; same data, same batches, same number of Adam steps, the same loss reduction
+  (--reduction: seq-mean, each trajectory's mean over its supervised positions, then the mean over
+  trajectories, as SP3O's released launcher; or token-mean over all supervised positions of the batch);
+  positions are the T states s_0..s_{T-1} a trajectory acts from. (a) dense: MSE against R at every position
+  (PPO with gamma = lambda = 1, no value clipping); (b) anchors: the same MSE only at SP3O's anchors
+  (`sp3o.anchor_positions`); (c) tracking (TPPO, shared head g): z_0 = g(0, phi(s_0)) and a free increment
+  per transition, delta_t = g(phi(s_{t-1}), phi(s_t)), the analogue of the token that moved the prefix
   (g(phi(s_t)) - g(phi(s_{t-1})) would collapse to a state critic); z_t = z_0 + sum_{k<=t} delta_k,
   V_t = sigmoid(z_t), BCE against R at every position. V_t depends on the path: its map is a mean over visits.
 - Metrics on held-out trajectories: MSE and Pearson correlation against V^pi over all visited positions;
@@ -32,6 +33,7 @@ import csv
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 import gymnasium as gym
 import numpy as np
@@ -43,6 +45,7 @@ import infra.run
 from sp3o import anchor_positions
 
 CRITICS = ("dense", "anchors", "tracking")
+REDUCTIONS = ("seq-mean", "token-mean")
 
 
 @dataclass
@@ -61,6 +64,7 @@ class Args:
     hidden: int = 64  # width of the critics' two hidden layers
     lr: float = 1e-3  # Adam learning rate
     sign_min_change: float = 0.01  # smallest exact value change kept by the sign accuracy
+    reduction: Literal["seq-mean", "token-mean"] = "seq-mean"  # loss reduction of all three critics (SP3O's: seq-mean)
     threads: int = 1  # torch CPU threads
     out_dir: str = "runs/frozenlake"  # where the table, CSV and figure go
 
@@ -203,6 +207,21 @@ def flatten(trajs, outcomes, idx, n_cells):
     return torch.from_numpy(states), torch.from_numpy(prev), targets, starts, lengths
 
 
+def reduce_loss(losses, weights, starts, reduction="seq-mean"):
+    """One loss from per-position `losses` of a flat batch of trajectories (`starts`: each one's first index) and
+    per-position `weights` (1 where supervised, 0 elsewhere). seq-mean: sum(w * loss) / sum(w) within each
+    trajectory, then the mean over trajectories (SP3O's released launcher: slime's sum_of_sample_mean); token-mean:
+    sum(w * loss) / sum(w) over the whole batch. A trajectory with no supervised position counts 0 (as slime)."""
+    if reduction == "token-mean":
+        return (weights * losses).sum() / weights.sum().clamp(min=1)
+    traj_id = torch.zeros(len(losses), dtype=torch.long)
+    traj_id[torch.as_tensor(starts[1:], dtype=torch.long)] = 1
+    traj_id = traj_id.cumsum(0)
+    sums = torch.zeros(len(starts)).index_add(0, traj_id, weights * losses)
+    counts = torch.zeros(len(starts)).index_add(0, traj_id, weights)
+    return (sums / counts.clamp(min=1)).mean()
+
+
 def predict(kind, net, features, trajs):
     """Predicted values at every position of every trajectory, as a list of arrays."""
     states, prev, _, starts, lengths = flatten(trajs, np.zeros(len(trajs)), range(len(trajs)), len(features))
@@ -219,23 +238,21 @@ def train_critic(kind, trajs, outcomes, features, args, seed):
                               torch.nn.Linear(args.hidden, args.hidden), torch.nn.Tanh(),
                               torch.nn.Linear(args.hidden, 1))
     opt = torch.optim.Adam(net.parameters(), lr=args.lr)
-    anchor_weights = []  # SP3O's anchors, each weighted 1 / (anchors in its trajectory)
-    for t in trajs:
-        anchors = anchor_positions(len(t))
-        anchor_weights.append(np.bincount(anchors, minlength=len(t)).astype(np.float32) / len(anchors))
+    anchor_masks = [np.bincount(anchor_positions(len(t)), minlength=len(t)).astype(np.float32) for t in trajs]
     batch_rng = np.random.default_rng(seed)  # the same batches for every critic
     for _ in range(args.steps):
         idx = batch_rng.choice(len(trajs), args.batch_trajectories, replace=False)
         states, prev, targets, starts, _ = flatten(trajs, outcomes, idx, len(features))
         out = critic_outputs(kind, net, features, states, prev)
-        if kind == "dense":  # every visited state, token mean (PPO)
-            loss = ((out - targets) ** 2).mean()
-        elif kind == "anchors":  # SP3O: anchors only, mean per trajectory, then over trajectories
-            weight = torch.from_numpy(np.concatenate([anchor_weights[i] for i in idx]))
-            loss = (weight * (out - targets) ** 2).sum() / len(idx)
-        else:  # TPPO: BCE of sigmoid(z_t) against R at every position
-            logits = tracking_logits(out, starts)
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, targets)
+        weights = torch.ones(len(out))  # dense (PPO) and tracking: every visited state
+        if kind == "anchors":  # SP3O: anchors only
+            weights = torch.from_numpy(np.concatenate([anchor_masks[i] for i in idx]))
+        if kind == "tracking":  # TPPO: BCE of sigmoid(z_t) against R
+            losses = torch.nn.functional.binary_cross_entropy_with_logits(tracking_logits(out, starts), targets,
+                                                                          reduction="none")
+        else:  # PPO, SP3O: squared error against R
+            losses = (out - targets) ** 2
+        loss = reduce_loss(losses, weights, starts, args.reduction)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -350,6 +367,7 @@ def main():
     lines += [f"| {r['size']}x{r['size']} | {show(r, 'p_success', 2)} | {show(r, 'mean_len', 0)} | "
               f"{show(r, 'tabular_all', 4)} | {show(r, 'tabular_anchors', 4)} |" for r in summary[::3]]
     lines.append(f"\nMean ± std over {args.seeds} seeds (each its own map); {args.steps} Adam steps per critic, "
+                 f"{args.reduction} losses, "
                  f"{args.batch_trajectories} of {args.train_trajectories} training trajectories per step, "
                  f"{args.eval_trajectories} held-out trajectories.")
     table = "\n".join(lines)

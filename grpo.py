@@ -47,6 +47,7 @@ class Args(infra.run.RunArgs):
 # The CPU demo: small batches, a higher learning rate (5e-5 to 1e-4 is the safe range for the tiny model),
 # greedy evaluation on 256 held-out problems.
 TINY_PRESET = dict(prompts_per_step=16, max_response_tokens=48, lr=1e-4)
+MAX_LOG_RATIO = 20.0  # log-ratios are clamped to +-this before exp, in the policy loss and the KL (verl: 20)
 
 
 def group_advantages(rewards, group_size, scale="group", eps=1e-6):
@@ -83,8 +84,9 @@ def aggregate(token_losses, mask, aggregation, num_sequences=None, num_tokens=No
 def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.2, aggregation="token-mean",
                 **counts):
     """PPO-clip (Schulman et al. 2017) per token: max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)),
-    r = exp(logprobs - old_logprobs); reduced by `aggregate`. Returns (loss, clip_fraction)."""
-    ratio = torch.exp(logprobs - old_logprobs)
+    r = exp(logprobs - old_logprobs), the log-ratio clamped to +-MAX_LOG_RATIO; reduced by `aggregate`. Returns
+    (loss, clip_fraction)."""
+    ratio = torch.exp((logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
     loss = aggregate(torch.maximum(unclipped, clipped), mask, aggregation, **counts)
@@ -101,8 +103,9 @@ def truncated_importance_weights(trainer_logprobs, engine_logprobs, mask, cap=2.
 
 
 def k3_kl(logprobs, reference_logprobs):
-    """Per-token k3 estimator of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1 (Schulman, 2020); >= 0."""
-    log_ratio = reference_logprobs - logprobs
+    """Per-token k3 estimator of KL(pi || ref): exp(d) - d - 1, d = ref - logp clamped to +-MAX_LOG_RATIO
+    (Schulman, 2020); >= 0."""
+    log_ratio = (reference_logprobs - logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     return torch.exp(log_ratio) - log_ratio - 1
 
 

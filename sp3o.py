@@ -2,10 +2,10 @@
 A file of the ppo.py family (ppo, sp3o, tppo, sppo): `diff ppo.py <file>` shows what a method changes.
 
 Per rollout: G samples per prompt; reward R at the last response token (1 for a correct final \\boxed{}
-answer, else 0; a truncated response scores 0). A critic (a copy of the base model with a scalar head)
-reads V(s_t) at the token before y_t; GAE(gamma, lambda) gives advantages, whitened over the batch's valid
-tokens, and returns G_t = A_t + V_t; the policy takes PPO-clip steps, the critic clipped-value-loss steps at
-3 anchors per response. With gamma = lambda = 1 (the default) every return equals R and A_t = R - V(s_t).
+answer, else 0; a truncated response scores 0). A critic (a copy of the base model with a scalar head) reads
+V(s_t) at the token before y_t; GAE(gamma, lambda) gives advantages, not whitened, and returns G_t = A_t + V_t.
+The first 20 rollouts train the critic alone, densely; then the policy takes PPO-clip steps, the critic clipped-
+value-loss steps at 3 anchors per response (4 from 6144 tokens on), each loss a mean per sample, then over samples.
 
 Usage: `python <this file>` runs the built-in CPU demo; `--model Qwen3-4B-Base --dataset train.parquet` a real run.
 """
@@ -47,23 +47,24 @@ class Args(infra.run.RunArgs):
     gamma: float = 1.0  # GAE discount (published: 1.0)
     lam_actor: float = 1.0  # GAE lambda of the policy's advantages (published: 1.0; VC-PPO/VAPO decouple it, e.g. 0.95)
     lam_critic: float = 1.0  # GAE lambda of the critic's returns (published: 1.0)
-    whiten_advantages: bool = False  # normalize advantages over the batch's valid tokens (published: off)
-    critic_warmup: int = 20  # first N rollouts train only the critic, densely, the actor frozen (published: 20)
+    whiten_advantages: bool = False  # normalize advantages over the batch's valid tokens (published: off; verl: on)
+    critic_warmup: int = 20  # first N rollouts train only the critic, densely; the actor waits (published: 20; verl: 0)
     anchor_ratios: tuple[float, ...] = (0.3, 0.6, 0.9)  # anchors at these fractions of a response (published; ablations: 0.2 0.5 0.8, K = 8, 16)
     anchor_placement: Literal["fixed", "random"] = "fixed"  # random: as many uniform ratios, drawn per sample (ablation)
     tail_ratio: float = 0.95  # one more anchor, uncapped, on responses of tail-min-len tokens or more (published; 0: none)
     tail_min_len: int = 6144  # response length from which the tail anchor is added (published: 6144)
-    anchor_loss: Literal["seq-mean", "token-mean"] = "seq-mean"  # mean over each sample's anchors, then samples (released), or per anchor
     probe_every: int = 0  # critic diagnostics every N steps: critic vs Monte Carlo values on held-out prompts (0: off)
     probe_prompts: int = 16  # held-out prompts per probe, one sampled response each
-    probe_continuations: int = 8  # K, Monte Carlo continuations per probed state (prompt, 30/60/90% of the response)
-    aggregation: Literal["token-mean", "seq-mean", "sum-max-len"] = "token-mean"  # loss reduction (sum-max-len: Dr. GRPO)
+    probe_continuations: int = 8  # K, Monte Carlo continuations per probed state (see infra.probes.probe_critic)
+    # seq-mean (published): each sample's token mean, then the mean over samples, as SP3O's launcher (slime)
+    aggregation: Literal["token-mean", "seq-mean", "sum-max-len"] = "seq-mean"  # actor, critic (verl: token-mean)
     kl_coef: float = 0.0  # beta of the k3 KL to a frozen reference (0: no reference model is loaded)
 
 
 # The CPU demo: small batches, a higher learning rate (5e-5 to 1e-4 is the safe range for the tiny model),
 # greedy evaluation on 256 held-out problems.
-TINY_PRESET = dict(prompts_per_step=16, max_response_tokens=48, lr=1e-4, critic_lr=5e-4, critic_warmup=5)  # 20 of 500 published; the demo has 60 steps
+TINY_PRESET = dict(prompts_per_step=16, max_response_tokens=48, lr=1e-4, critic_lr=5e-4, critic_warmup=5)  # 20 of 500
+MAX_LOG_RATIO = 20.0  # log-ratios are clamped to +-this before exp, in the policy loss and the KL (verl: 20)
 
 
 def gae(rewards, values, mask, gamma=1.0, lam=1.0):
@@ -115,8 +116,9 @@ def aggregate(token_losses, mask, aggregation, num_sequences=None, num_tokens=No
 def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.2, aggregation="token-mean",
                 **counts):
     """PPO-clip (Schulman et al. 2017) per token: max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)),
-    r = exp(logprobs - old_logprobs); reduced by `aggregate`. Returns (loss, clip_fraction)."""
-    ratio = torch.exp(logprobs - old_logprobs)
+    r = exp(logprobs - old_logprobs), the log-ratio clamped to +-MAX_LOG_RATIO; reduced by `aggregate`. Returns
+    (loss, clip_fraction)."""
+    ratio = torch.exp((logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
     loss = aggregate(torch.maximum(unclipped, clipped), mask, aggregation, **counts)
@@ -133,32 +135,38 @@ def truncated_importance_weights(trainer_logprobs, engine_logprobs, mask, cap=2.
 
 
 def k3_kl(logprobs, reference_logprobs):
-    """Per-token k3 estimator of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1 (Schulman, 2020); >= 0."""
-    log_ratio = reference_logprobs - logprobs
+    """Per-token k3 estimator of KL(pi || ref): exp(d) - d - 1, d = ref - logp clamped to +-MAX_LOG_RATIO
+    (Schulman, 2020); >= 0."""
+    log_ratio = (reference_logprobs - logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     return torch.exp(log_ratio) - log_ratio - 1
 
 
 def anchor_positions(n_valid, ratios=(0.3, 0.6, 0.9), tail_ratio=0.95, tail_min_len=6144):
-    """SP3O's released rule: offsets round(L * r), L = n - 1 (half to even), capped at L - 1 (n = 1: 0); one more,
-    uncapped, at round(L * tail_ratio) if n >= tail_min_len (tail_ratio 0: none). Collisions merge; n = 0: none."""
-    offsets = {min(round((n_valid - 1) * ratio), max(n_valid - 2, 0)) for ratio in ratios if n_valid > 0}
-    tail = {round((n_valid - 1) * tail_ratio)} if tail_ratio and n_valid >= max(tail_min_len, 1) else set()
+    """SP3O's released rule (slime/utils/sp3o.py): over n valid tokens, L = n - 1, ratio r gives round(L * r) (half
+    to even) in [0, L], capped at L - 1 if r < 1 and L > 0 (1.0 may pick the last token); one more, uncapped, at
+    round(L * tail_ratio) if n >= tail_min_len (tail_ratio 0: none). Colliding anchors merge; n = 0: none."""
+    last = n_valid - 1
+    cap = lambda ratio: last - 1 if ratio < 1 and last > 0 else last
+    offsets = {min(max(round(last * ratio), 0), cap(ratio)) for ratio in ratios if n_valid > 0}
+    tail = {min(round(last * tail_ratio), last)} if tail_ratio and n_valid >= max(tail_min_len, 1) else set()
     return sorted(offsets | tail)
 
 
-def anchor_weights(mask, ratios=(0.3, 0.6, 0.9), tail_ratio=0.95, tail_min_len=6144, reduction="seq-mean", placement="fixed"):
-    """[B, T] critic-loss weights: 1 / k at each of a sample's k anchors (seq-mean, released) or 1 (token-mean)."""
+def anchor_weights(mask, ratios=(0.3, 0.6, 0.9), tail_ratio=0.95, tail_min_len=6144, reduction="seq-mean",
+                   placement="fixed"):
+    """[B, T] critic-loss weights: 1 / k at each of a sample's k anchors (seq-mean: each sample weighs 1, as the
+    released launcher), else 1 (each anchor weighs 1, the released per-token mode)."""
     weights = torch.zeros(mask.shape, device=mask.device)
     for row, columns in enumerate(mask.nonzero()[:, 1].split(mask.sum(1).tolist())):
         row_ratios = torch.rand(len(ratios)).tolist() if placement == "random" else ratios
         anchors = anchor_positions(len(columns), row_ratios, tail_ratio, tail_min_len)
-        weights[row, columns[anchors]] = 1.0 if reduction == "token-mean" else 1.0 / max(len(anchors), 1)
+        weights[row, columns[anchors]] = 1.0 / max(len(anchors), 1) if reduction == "seq-mean" else 1.0
     return weights
 
 
 def value_loss(values, old_values, returns, weights, clip=0.2, **counts):
-    """Clipped value loss: max((v - G)^2, (v_clip - G)^2), v_clip = v_old + clip(v - v_old, -clip, clip), reduced
-    as sum(weights * loss) / num_tokens. PPO weighs every valid token 1: dense supervision, token-mean."""
+    """Clipped value loss: max((v - G)^2, (v_clip - G)^2), v_clip = v_old + clip(v - v_old, -clip, clip), reduced as
+    sum(weights * loss) / num_tokens. Dense: each valid token of sample i weighs 1 / n_i (seq-mean) or 1."""
     clipped_values = old_values + (values - old_values).clamp(-clip, clip)
     losses = torch.maximum((values - returns) ** 2, (clipped_values - returns) ** 2)
     return aggregate(losses, weights, "token-mean", **counts)
@@ -228,8 +236,10 @@ def main():
         if args.whiten_advantages:
             token_advantages = whiten(token_advantages, mask)
         actor_frozen = step < args.critic_warmup  # critic warm-up: the actor waits
-        critic_weights = mask.float() if actor_frozen else anchor_weights(  # warm-up: dense, as released
-            mask, args.anchor_ratios, args.tail_ratio, args.tail_min_len, args.anchor_loss, args.anchor_placement)
+        critic_weights = mask / (mask.sum(1, True).clamp(min=1) if args.aggregation == "seq-mean" else 1)  # dense loss
+        if not actor_frozen:  # after the warm-up (dense, as released): the anchors only
+            critic_weights = anchor_weights(mask, args.anchor_ratios, args.tail_ratio, args.tail_min_len,
+                                            args.aggregation, args.anchor_placement)
         if truncated_is:  # A_t times min(pi_trainer / pi_engine, cap): the engine sampled the rollout
             token_advantages = token_advantages * truncated_importance_weights(
                 old_logprobs, common.engine_logprobs(completions, mask.shape[1]).to(run.device), mask, args.tis_cap)
@@ -268,8 +278,8 @@ def main():
                 critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip)
                 finite = run.update_ok(step, grad_norm, critic_grad_norm)  # too many skips in a row: save, stop
                 if finite:  # a non-finite gradient skips the step, weights untouched
+                    critic_optimizer.step()  # separate models: the order does not matter (verl: critic first)
                     optimizer.step()
-                    critic_optimizer.step()
                 history["skipped_updates"].append(float(not finite))
                 optimizer.zero_grad(set_to_none=True)
                 critic_optimizer.zero_grad(set_to_none=True)

@@ -3,17 +3,24 @@
 
 Critic-free, like GRPO, but the credit is per segment of a response instead of per response: a segment's
 advantage is the difference of Monte Carlo value estimates V = mean reward of K continuations at its two
-borders. SPO-chain (short CoT, the default): borders are cutpoints just before every `interval`-th
-low-probability token (p < 0.9 at the sampling temperature); segment (c_{k-1}, c_k] gets V(c_k) - V(c_{k-1}),
-the last one R - V(c_last); the prompt state is the border c_0 = -1, valued by the mean reward of the prompt's
-G samples; a response without cutpoints gets 0. SPO-tree (--mode tree, long CoT): each prompt grows a tree
-of fixed-length segments (depth 3, 6 children per node); a node's value is the mean of its children's, each
-edge is a training sample with advantage V(child) - V(parent). Both put advantages and loss only on the
-low-probability tokens (the probability mask), whiten over those tokens and take PPO-clip steps.
+borders. SPO-chain (short CoT, the default): cutpoints just before the 1st, (1 + interval)-th, ... low-probability
+token (p < 0.9 at the sampling temperature); segment (c_{k-1}, c_k] gets V(c_k) - V(c_{k-1}), the last one
+R - V(c_last), the tokens up to c_1 (all sure) 0. A cut at -1 (a low-probability first token) is the prompt
+state, valued like any cut by K continuations, as released: not the group's mean reward, whose leave-one-out
+form would cost no generation but is not SPO's estimator. SPO-tree (--mode tree, long CoT): each prompt grows a
+tree of fixed-length segments (depth 3, 6 children per node); a node's value is the mean of its children's, each
+edge a training sample with advantage V(child) - V(parent); at most 32 non-zero edges of a tree are trained per
+rollout. Both put advantages and loss only on the low-probability tokens (the probability mask), whiten over
+those tokens, take PPO-clip steps plus beta x the k3 KL summed over each sequence's loss tokens, under the
+released warm-up then linear-decay learning rate.
+Deliberate differences from the released code: no replay buffer in SPO-tree (the released one keeps a tree's
+edges beyond 32 for up to 8 rollouts, with the log-probs taken when they were inserted; here they are dropped);
+the token-mean is over a mini-batch, not over each micro-batch; rollouts at top-p 1 (the RhoMath configs: 0.9).
 
 Usage: `python <this file>` runs the built-in CPU demo; `--model Qwen3-4B-Base --dataset train.parquet` a real run.
 Add `--mode tree` for SPO-tree.
 """
+import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -32,8 +39,8 @@ import infra.run
 class Args(infra.run.RunArgs):
     """SPO's knobs, each with its published value beside it (flags of every trainer: infra.run.RunArgs)."""
     mode: Literal["chain", "tree"] = "chain"  # SPO-chain (short CoT: cutpoints + MC) or SPO-tree (long CoT)
-    prompts_per_step: int = 64  # prompts per rollout (not in METHODS.md for SPO: GRPO's 64)
-    samples_per_prompt: int = 8  # chain: G samples per prompt; their mean reward is V at the prompt (GRPO's 8)
+    prompts_per_step: int = 64  # chain: prompts per rollout (published: 64, 512 episodes of 8 samples)
+    samples_per_prompt: int = 8  # chain: samples per prompt (published: 8)
     max_response_tokens: int = 8192  # response length limit; truncated responses score 0 (published: 8192)
     temperature: float = 0.6  # rollout and Monte Carlo sampling temperature (published: 0.6)
     top_p: float = 1.0  # rollout nucleus sampling (1.0: off)
@@ -45,11 +52,15 @@ class Args(infra.run.RunArgs):
     tree_depth: int = 3  # tree: levels of segments; the last level runs to completion (published: 3)
     tree_branching: int = 6  # tree: children per node (published: 6)
     tree_segment_tokens: int = 600  # tree: tokens per segment (published: 600 for long CoT, 30 for GSM8K)
+    tree_prompts: int = 16  # tree: prompts (trees) per rollout (published: 16, GSM8K config; 32 in the long-CoT one)
+    tree_edges_per_prompt: int = 32  # tree: non-zero edges of one prompt trained per rollout at most (published: 32)
     lr: float = 1e-6  # policy learning rate (published: 1e-6)
-    weight_decay: float = 0.01  # AdamW weight decay (verl default)
-    adam_betas: tuple[float, ...] = (0.9, 0.999)  # AdamW betas
-    mini_batches: int = 2  # optimizer steps per rollout per epoch (published: 2)
-    epochs: int = 2  # passes over each rollout (published: 2)
+    lr_schedule: Literal["warmup-decay", "constant"] = "warmup-decay"  # released: warm-up, then linear decay to 0
+    lr_warmup: float = 0.03  # share of all optimizer steps spent warming up (published: 0.03)
+    weight_decay: float = 0.0  # AdamW weight decay (published: 0)
+    adam_betas: tuple[float, ...] = (0.9, 0.999)  # AdamW betas (published: HF's default 0.9, 0.999)
+    mini_batches: int = 8  # optimizer steps per rollout per epoch (published: 8, RhoMath 1.1B; 4 in the Qwen configs)
+    epochs: int = 2  # passes over each rollout (published: 2, RhoMath 1.1B; 1 in the Qwen and SPO-tree configs)
     grad_clip: float = 1.0  # max global gradient norm (published: 1.0)
     truncated_is: Literal["auto", "on", "off"] = "auto"  # correct the engine/trainer mismatch (auto: on with vLLM)
     tis_cap: float = 2.0  # cap of the truncated importance weights (published: 2.0, SP3O's released setting)
@@ -61,33 +72,47 @@ class Args(infra.run.RunArgs):
 
 # The CPU demo: small batches, a higher learning rate (5e-5 to 1e-4 is the safe range for the tiny model),
 # greedy evaluation on 256 held-out problems. The tiny model is sure of most tokens (about 1.2 with p < 0.9 per
-# response at temperature 0.6): a cutpoint before every one of them (interval 1), K = 4; tree: 3 x 3 x 3 of 12 tokens.
-TINY_PRESET = dict(prompts_per_step=16, max_response_tokens=48, lr=1e-4, cut_interval=1, mc_samples=4, tree_branching=3, tree_segment_tokens=12)
+# response at temperature 0.6), so the published interval 5 cuts before the first of them, as interval 1 would
+# mostly do; K = 4; tree: 3 x 3 x 3 of 12 tokens.
+TINY_PRESET = dict(prompts_per_step=16, max_response_tokens=48, lr=1e-4, mc_samples=4, tree_branching=3,
+                   tree_segment_tokens=12)
+MAX_LOG_RATIO = 10.0  # log-ratios are clamped to +-this before exp, in the policy loss and the KL (SPO's code: 10)
 
 
 def cutpoints(token_probs, threshold=0.9, interval=5):
-    """SPO-chain cutpoints of one response from its token probabilities p_j (valid tokens only): the position
-    just before every `interval`-th token with p < threshold. A cut c is the state after token c: its Monte
-    Carlo continuations start after y_0..y_c, so the low-probability token c + 1 opens the next segment.
-    A cut at -1 (the first token is such a token) is the prompt state, always a border: it is left out."""
+    """SPO-chain cutpoints of one response from its token probabilities p_j (valid tokens only), as the released
+    code computes them (math_episode_generator_with_mc_advantages.py: `(np.where(p < 0.9)[0] - 1)[::interval]`):
+    just before the 1st, (1 + interval)-th, (1 + 2 interval)-th ... token with p < threshold. A cut c is the state
+    after token c: its Monte Carlo continuations start after y_0..y_c. A cut at -1 is the prompt state."""
     low = (token_probs < threshold).nonzero().flatten().tolist()
-    return [j - 1 for j in low[interval - 1::interval] if j > 0]
+    return [j - 1 for j in low[::interval]]
 
 
-def chain_advantages(rewards, prompt_values, cuts, cut_values, mask):
-    """[B, T] SPO-chain advantages. Borders of a response: the prompt state (a cut at -1, value prompt_values)
-    and its cutpoints c_1 < .. < c_m (values cut_values, Monte Carlo means); the tokens in (c_{k-1}, c_k] get
-    V(c_k) - V(c_{k-1}) and the tokens after c_m get R - V(c_m). A response without cutpoints gets 0 on every
-    token (METHODS.md). Zero on padding."""
+def chain_advantages(rewards, cuts, cut_values, mask):
+    """[B, T] SPO-chain advantages, the released rule (_compute_token_advantages): a response's borders are its
+    cutpoints c_1 < .. < c_m (values cut_values, Monte Carlo means; c_1 = -1 is the prompt state) and its last
+    token (value R); the tokens in (c_{k-1}, c_k] get V(c_k) - V(c_{k-1}), the tokens after c_m get R - V(c_m),
+    the tokens up to c_1 get 0 (they come before the first low-probability token, outside the probability mask).
+    A response without cutpoints gets 0 on every token. Zero on padding."""
     advantages = torch.zeros(mask.shape)
     for row, (row_cuts, row_values) in enumerate(zip(cuts, cut_values)):
-        if not row_cuts:
-            continue
-        borders = [-1] + list(row_cuts) + [mask.shape[1] - 1]
-        values = [float(prompt_values[row])] + [float(v) for v in row_values] + [float(rewards[row])]
+        borders = list(row_cuts) + [mask.shape[1] - 1]
+        values = [float(v) for v in row_values] + [float(rewards[row])]
         for k in range(len(borders) - 1):
             advantages[row, borders[k] + 1:borders[k + 1] + 1] = values[k + 1] - values[k]
     return advantages * mask.cpu()
+
+
+def cap_edges(edges, prompts, cap=32):
+    """SPO-tree: at most `cap` edges of each prompt's tree, drawn uniformly without replacement (the released
+    OnPolicyReplayBuffer.get_edges: random.sample(edges of one question, 32)); the kept edges keep their order."""
+    by_prompt = defaultdict(list)
+    for edge, prompt in zip(edges, prompts):
+        by_prompt[prompt].append(edge)
+    kept = set()
+    for group in by_prompt.values():
+        kept.update(group if len(group) <= cap else [group[i] for i in torch.randperm(len(group))[:cap].tolist()])
+    return [edge for edge in edges if edge in kept]
 
 
 def tree_values(parents, leaf_rewards):
@@ -189,8 +214,9 @@ def aggregate(token_losses, mask, aggregation, num_sequences=None, num_tokens=No
 def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.2, aggregation="token-mean",
                 **counts):
     """PPO-clip (Schulman et al. 2017) per token: max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)),
-    r = exp(logprobs - old_logprobs); reduced by `aggregate`. Returns (loss, clip_fraction)."""
-    ratio = torch.exp(logprobs - old_logprobs)
+    r = exp(logprobs - old_logprobs), the log-ratio clamped to +-MAX_LOG_RATIO; reduced by `aggregate`. Returns
+    (loss, clip_fraction)."""
+    ratio = torch.exp((logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
     loss = aggregate(torch.maximum(unclipped, clipped), mask, aggregation, **counts)
@@ -207,14 +233,35 @@ def truncated_importance_weights(trainer_logprobs, engine_logprobs, mask, cap=2.
 
 
 def k3_kl(logprobs, reference_logprobs):
-    """Per-token k3 estimator of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1 (Schulman, 2020); >= 0."""
-    log_ratio = reference_logprobs - logprobs
+    """Per-token k3 estimator of KL(pi || ref): exp(d) - d - 1, d = ref - logp clamped to +-MAX_LOG_RATIO
+    (Schulman, 2020); >= 0."""
+    log_ratio = (reference_logprobs - logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     return torch.exp(log_ratio) - log_ratio - 1
 
 
+def kl_loss(logprobs, reference_logprobs, mask, num_sequences=None):
+    """SPO's released KL term (ppo_trainer.py, configs klLoss and refKl0.0001): k3 summed over each sequence's
+    loss tokens (the probability mask), then averaged over the sequences; the caller multiplies it by beta.
+    A micro-batch passes the mini-batch's sequence count, so the micro-batch terms add up to the mini-batch's."""
+    return (k3_kl(logprobs, reference_logprobs) * mask).sum() / (num_sequences or mask.shape[0])
+
+
+def lr_factor(update, total_updates, warmup_ratio=0.03, schedule="warmup-decay"):
+    """Learning-rate multiplier at optimizer step `update` (0-based) of `total_updates`: SPO's released schedule,
+    DeepSpeed's WarmupDecayLR as its configs fill it (warmup_num_steps = ceil(warmup_ratio * total) but at least 2,
+    warmup_type left at DeepSpeed's default, log): log(update + 1) / log(W) during the W warm-up steps, then
+    (total - update) / (total - W), a linear decay to 0 at the end. `constant`: 1."""
+    if schedule == "constant":
+        return 1.0
+    warmup = max(2, math.ceil(total_updates * warmup_ratio))
+    if update < warmup:
+        return math.log(update + 1) / math.log(warmup)
+    return max(0.0, (total_updates - update) / max(1, total_updates - warmup))
+
+
 def check_args(args):
-    if args.mode == "chain" and args.samples_per_prompt < 2:
-        raise infra.UserError("--samples-per-prompt must be at least 2: SPO-chain's value at the prompt is a group mean")
+    if args.mode == "tree":  # SPO-tree's rollout: --tree-prompts trees
+        args.prompts_per_step = args.tree_prompts
     if min(args.mc_samples, args.cut_interval, args.tree_depth, args.tree_segment_tokens, args.tree_branching - 1) < 1:
         raise infra.UserError("--mc-samples, --cut-interval, --tree-depth and --tree-segment-tokens must be at least 1, "
                                "--tree-branching at least 2")
@@ -267,6 +314,7 @@ def main():
             edges, inner = [n for n in range(len(tree.parents)) if tree.parents[n] >= 0], set(tree.parents)
             leaves = [n for n in edges if n not in inner]
             kept = [n for n in edges if abs(node_advantages[n]) > 1e-9] or edges  # zero-advantage edges dropped
+            kept = cap_edges(kept, [tree.prompt_index[n] for n in kept], args.tree_edges_per_prompt)  # released: 32
             completions = [tree.segments[n] for n in kept]
             sample_prompts = [prompts[tree.prompt_index[n]] + tree.prefixes[n] for n in kept]
             rewards = torch.tensor([tree.rewards[n] for n in leaves])
@@ -297,10 +345,7 @@ def main():
                 args.max_response_tokens, args.temperature, args.top_p)
             estimates = iter(estimates.tolist())
             cut_values = [[next(estimates) for _ in row_cuts] for row_cuts in cuts]
-            # V at the prompt state (cut -1): our choice, METHODS.md leaves it open: the mean reward of the
-            # prompt's G samples, which are G Monte Carlo rollouts from that state (no extra generation).
-            prompt_values = rewards.view(-1, args.samples_per_prompt).mean(1).repeat_interleave(args.samples_per_prompt)
-            token_advantages = chain_advantages(rewards, prompt_values, cuts, cut_values, mask).to(run.device)
+            token_advantages = chain_advantages(rewards, cuts, cut_values, mask).to(run.device)  # a cut -1: the prompt
             extra = dict(mc_tokens=mc_tokens, cutpoints_per_response=sum(map(len, cuts)) / len(cuts),
                          mc_s=time.time() - mc_start)
         else:
@@ -314,9 +359,13 @@ def main():
         generator.sleep()  # vLLM frees its GPU memory for the update (HF: nothing to free)
         # 4. Update: `mini_batches` optimizer steps per epoch, gradients accumulated over micro-batches.
         update_start = time.time()
-        for _ in range(args.epochs):
+        for epoch in range(args.epochs):
             order = torch.randperm(len(completions)).tolist()
-            for mini_batch in common.chunks(order, -(-len(order) // args.mini_batches)):
+            for index, mini_batch in enumerate(common.chunks(order, -(-len(order) // args.mini_batches))):
+                update = (step * args.epochs + epoch) * args.mini_batches + index  # SPO's released lr schedule
+                for group in optimizer.param_groups:
+                    group["lr"] = args.lr * lr_factor(update, args.steps * args.epochs * args.mini_batches,
+                                                      args.lr_warmup, args.lr_schedule)
                 counts = dict(num_sequences=len(mini_batch), num_tokens=infra.dist.rank_mean(loss_mask[mini_batch].sum()),
                               max_length=args.max_response_tokens)
                 mini_batch_loss = 0.0
@@ -328,9 +377,9 @@ def main():
                     loss, clip_fraction = policy_loss(logprobs, old_logprobs[micro, :width],
                                                       token_advantages[micro, :width], micro_loss_mask,
                                                       args.clip_low, args.clip_high, args.aggregation, **counts)
-                    if reference is not None:
-                        kl = k3_kl(logprobs, reference_logprobs[micro, :width])
-                        loss = loss + args.kl_coef * aggregate(kl, micro_loss_mask, args.aggregation, **counts)
+                    if reference is not None:  # SPO: k3 summed over each sequence's loss tokens, mean over sequences
+                        loss = loss + args.kl_coef * kl_loss(logprobs, reference_logprobs[micro, :width], micro_loss_mask,
+                                                             len(mini_batch))
                     loss.backward()
                     mini_batch_loss += loss.item()
                     history["clip_fraction"].append(clip_fraction.item())

@@ -1,5 +1,5 @@
-"""SPPO: Sequence-Level PPO (arXiv 2604.08865; code sustech-nlp/SPPO, a verl fork). Derived from ppo.py:
-`diff ppo.py sppo.py` shows what SPPO changes.
+"""SPPO: Sequence-Level PPO (arXiv 2604.08865; code sustech-nlp/SPPO, a verl fork).
+A file of the ppo.py family (ppo, sp3o, tppo, sppo): `diff ppo.py <file>` shows what a method changes.
 
 The whole response is one bandit action: one sample per prompt, no GAE, no temporal credit. A critic (a
 separate model, possibly smaller) reads the prompt only; its scalar output at the last prompt token is a
@@ -26,17 +26,17 @@ import infra.run
 @dataclass
 class Args(infra.run.RunArgs):
     """SPPO's knobs, each with its published value beside it (flags of every trainer: infra.run.RunArgs)."""
-    prompts_per_step: int = 512  # prompts per rollout (not in METHODS.md: 512 x 1 keeps PPO's 64 x 8 samples)
+    prompts_per_step: int = 512  # prompts per rollout (published: 512, the released 7B script)
     samples_per_prompt: int = 1  # samples per prompt (SPPO: 1, the critic is the baseline)
-    critic_model: str = ""  # prompt-only critic backbone (default: the policy's base model; a smaller one works)
+    critic_model: str = ""  # critic backbone (default: the policy's base model; a smaller one works too)
     max_response_tokens: int = 8192  # response length limit; truncated responses score 0 (published: 8192)
     temperature: float = 0.6  # rollout sampling temperature (published: 0.6)
     top_p: float = 1.0  # rollout nucleus sampling (1.0: off)
     lr: float = 1e-6  # policy learning rate (published: 1e-6)
     critic_lr: float = 1e-5  # critic learning rate (published: 5e-6 to 1e-5)
     weight_decay: float = 0.1  # AdamW weight decay (published: 0.1, SP3O's PPO baseline; verl's default 0.01)
-    adam_betas: tuple[float, ...] = (0.9, 0.98)  # AdamW betas (published: 0.9, 0.98, SP3O's PPO baseline)
-    mini_batches: int = 2  # optimizer steps per rollout per epoch (published: 2)
+    adam_betas: tuple[float, ...] = (0.9, 0.999)  # AdamW betas (published: verl's default 0.9, 0.999)
+    mini_batches: int = 16  # actor and critic optimizer steps per rollout per epoch (published: 16, of 32 prompts)
     epochs: int = 1  # passes over each rollout
     grad_clip: float = 1.0  # max global gradient norm (published: 1.0)
     truncated_is: Literal["auto", "on", "off"] = "auto"  # correct the engine/trainer mismatch (auto: on with vLLM)
@@ -44,22 +44,22 @@ class Args(infra.run.RunArgs):
     clip_low: float = 0.2  # PPO clip epsilon below 1 (published: 0.2)
     clip_high: float = 0.2  # PPO clip epsilon above 1 (0.28 is DAPO's clip-higher; published default 0.2)
     dual_clip: float = 3.0  # for A < 0 cap the token loss at -A * dual_clip (released code: 3.0; 0: off)
-    critic_warmup: int = 0  # first N rollouts train only the critic, the actor frozen
+    critic_warmup: int = 0  # first N rollouts train only the critic, the actor frozen (published: 0)
     probe_every: int = 0  # critic diagnostics every N steps: critic vs Monte Carlo values on held-out prompts (0: off)
     probe_prompts: int = 16  # held-out prompts per probe, one sampled response each
-    probe_continuations: int = 8  # K, Monte Carlo continuations per probed state (SPPO: the prompt state only)
-    aggregation: Literal["token-mean", "seq-mean", "sum-max-len"] = "token-mean"  # loss reduction (sum-max-len: Dr. GRPO)
+    probe_continuations: int = 8  # K, Monte Carlo continuations per probed state (see infra.probes.probe_critic)
+    aggregation: Literal["token-mean", "seq-mean", "sum-max-len"] = "token-mean"  # actor loss (verl's default)
     kl_coef: float = 0.0  # beta of the k3 KL to a frozen reference (0: no reference model is loaded)
 
 
 # The CPU demo: small batches, a higher learning rate (5e-5 to 1e-4 is the safe range for the tiny model),
 # greedy evaluation on 256 held-out problems.
 TINY_PRESET = dict(prompts_per_step=128, max_response_tokens=48, lr=1e-4, critic_lr=5e-4)
+MAX_LOG_RATIO = 20.0  # log-ratios are clamped to +-this before exp, in the policy loss and the KL (verl: 20)
 
 
 def sequence_advantages(rewards, value_logits):
-    """A = R - sigmoid(f(x)) per sequence (SPPO: the response is one bandit action); not whitened. The
-    caller gives this value to every token of the response. All rewards equal still give finite values."""
+    """A = R - sigmoid(f(x)) per sequence (SPPO: one bandit action), not whitened; given to every response token."""
     return rewards - torch.sigmoid(value_logits)
 
 
@@ -81,8 +81,9 @@ def aggregate(token_losses, mask, aggregation, num_sequences=None, num_tokens=No
 def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.2, aggregation="token-mean",
                 dual_clip=0.0, **counts):
     """PPO-clip (Schulman et al. 2017) per token: max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)),
-    r = exp(logprobs - old_logprobs); reduced by `aggregate`. Returns (loss, clip_fraction)."""
-    ratio = torch.exp(logprobs - old_logprobs)
+    r = exp(logprobs - old_logprobs), the log-ratio clamped to +-MAX_LOG_RATIO; reduced by `aggregate`. Returns
+    (loss, clip_fraction)."""
+    ratio = torch.exp((logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
     token_losses = torch.maximum(unclipped, clipped)
@@ -102,14 +103,14 @@ def truncated_importance_weights(trainer_logprobs, engine_logprobs, mask, cap=2.
 
 
 def k3_kl(logprobs, reference_logprobs):
-    """Per-token k3 estimator of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1 (Schulman, 2020); >= 0."""
-    log_ratio = reference_logprobs - logprobs
+    """Per-token k3 estimator of KL(pi || ref): exp(d) - d - 1, d = ref - logp clamped to +-MAX_LOG_RATIO
+    (Schulman, 2020); >= 0."""
+    log_ratio = (reference_logprobs - logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     return torch.exp(log_ratio) - log_ratio - 1
 
 
 def value_loss(value_logits, rewards, num_sequences=None):
-    """BCEWithLogits(f(x), R) summed over the given prompts and divided by `num_sequences` (the mini-batch's
-    count, so micro-batches add up to the mini-batch mean); no value clipping (SPPO)."""
+    """BCEWithLogits(f(x), R) summed, divided by `num_sequences` (the mini-batch's count); no value clipping (SPPO)."""
     losses = torch.nn.functional.binary_cross_entropy_with_logits(value_logits, rewards, reduction="none")
     return losses.sum() / (num_sequences or len(losses))
 
@@ -147,7 +148,7 @@ def main():
             metrics.update(infra.probes.probe_critic(generator, tokenizer, run.probe_rows,
                 lambda micro: torch.sigmoid(common.response_values(critic, micro)), args,
                 critic, run.device, prompt_only=True))  # V(x) = sigmoid(f(x))
-        # 1. Rollout: one sample for each prompt (SPPO).
+        # 1. Rollout: G samples for each prompt.
         step_start = time.time()
         rows = run.training_rows(step)  # this rank's prompts
         prompts = [common.prompt_ids(tokenizer, row["question"]) for row in rows]
@@ -209,7 +210,7 @@ def main():
                 critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip)
                 finite = run.update_ok(step, grad_norm, critic_grad_norm)  # too many skips in a row: save, stop
                 if finite:  # a non-finite gradient skips the step, weights untouched
-                    critic_optimizer.step()  # separate models: the same as verl's critic pass before its actor pass
+                    critic_optimizer.step()  # separate models: the order does not matter (verl: critic first)
                     optimizer.step()
                 history["skipped_updates"].append(float(not finite))
                 optimizer.zero_grad(set_to_none=True)

@@ -33,12 +33,12 @@ class Args(infra.run.RunArgs):
     critic_model: str = ""  # critic backbone (default: the policy's base model; a smaller one works too)
     max_response_tokens: int = 8192  # response length limit; truncated responses score 0 (published: 8192)
     temperature: float = 1.0  # rollout sampling temperature (published: 1.0)
-    top_p: float = 1.0  # rollout nucleus sampling (1.0: off)
+    top_p: float = 0.95  # rollout nucleus sampling (published: 0.95, TPPO's Table 5 for math; 1.0: off)
     lr: float = 1e-6  # policy learning rate (published: 1e-6)
     critic_lr: float = 1e-5  # critic learning rate (not published for TPPO; verl's 1e-5)
-    weight_decay: float = 0.1  # AdamW weight decay (published: 0.1, SP3O's PPO baseline; verl's default 0.01)
-    adam_betas: tuple[float, ...] = (0.9, 0.98)  # AdamW betas (published: 0.9, 0.98, SP3O's PPO baseline)
-    mini_batches: int = 2  # optimizer steps per rollout per epoch (published: 2)
+    weight_decay: float = 0.01  # AdamW weight decay (not published for TPPO; verl's default 0.01)
+    adam_betas: tuple[float, ...] = (0.9, 0.999)  # AdamW betas (not published for TPPO; verl's default 0.9, 0.999)
+    mini_batches: int = 2  # optimizer steps per rollout per epoch (published: 2, mini-batches of 32 prompts)
     epochs: int = 1  # passes over each rollout
     grad_clip: float = 1.0  # max global gradient norm (published: 1.0)
     truncated_is: Literal["auto", "on", "off"] = "auto"  # correct the engine/trainer mismatch (auto: on with vLLM)
@@ -52,18 +52,19 @@ class Args(infra.run.RunArgs):
     # is built to get right; 1 uses the critic only as a baseline (A_t = R - V_t), 0 trusts it alone.
     lam_actor: float = 0.95  # GAE lambda of the policy's advantages (not published; 0.95: see the comment in tppo.py; 1 is ppo.py's)
     lam_critic: float = 1.0  # GAE lambda of the critic's returns (published: 1.0)
-    whiten_advantages: bool = True  # normalize advantages over the batch's valid tokens (published: on)
-    critic_warmup: int = 0  # first N rollouts train only the critic, the actor frozen
+    whiten_advantages: bool = True  # normalize advantages over the batch's valid tokens (not published; verl: on)
+    critic_warmup: int = 0  # first N rollouts train only the critic, the actor frozen (not published; verl: 0)
     probe_every: int = 0  # critic diagnostics every N steps: critic vs Monte Carlo values on held-out prompts (0: off)
     probe_prompts: int = 16  # held-out prompts per probe, one sampled response each
-    probe_continuations: int = 8  # K, Monte Carlo continuations per probed state (prompt, 30/60/90% of the response)
-    aggregation: Literal["token-mean", "seq-mean", "sum-max-len"] = "token-mean"  # loss reduction (sum-max-len: Dr. GRPO)
+    probe_continuations: int = 8  # K, Monte Carlo continuations per probed state (see infra.probes.probe_critic)
+    aggregation: Literal["token-mean", "seq-mean", "sum-max-len"] = "token-mean"  # actor loss (verl's default)
     kl_coef: float = 0.0  # beta of the k3 KL to a frozen reference (0: no reference model is loaded)
 
 
 # The CPU demo: small batches, a higher learning rate (5e-5 to 1e-4 is the safe range for the tiny model),
 # greedy evaluation on 256 held-out problems.
 TINY_PRESET = dict(prompts_per_step=16, max_response_tokens=48, lr=1e-4, critic_lr=5e-4)
+MAX_LOG_RATIO = 20.0  # log-ratios are clamped to +-this before exp, in the policy loss and the KL (verl: 20)
 
 
 def gae(rewards, values, mask, gamma=1.0, lam=1.0):
@@ -115,8 +116,9 @@ def aggregate(token_losses, mask, aggregation, num_sequences=None, num_tokens=No
 def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.2, aggregation="token-mean",
                 **counts):
     """PPO-clip (Schulman et al. 2017) per token: max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)),
-    r = exp(logprobs - old_logprobs); reduced by `aggregate`. Returns (loss, clip_fraction)."""
-    ratio = torch.exp(logprobs - old_logprobs)
+    r = exp(logprobs - old_logprobs), the log-ratio clamped to +-MAX_LOG_RATIO; reduced by `aggregate`. Returns
+    (loss, clip_fraction)."""
+    ratio = torch.exp((logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
     loss = aggregate(torch.maximum(unclipped, clipped), mask, aggregation, **counts)
@@ -133,8 +135,9 @@ def truncated_importance_weights(trainer_logprobs, engine_logprobs, mask, cap=2.
 
 
 def k3_kl(logprobs, reference_logprobs):
-    """Per-token k3 estimator of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1 (Schulman, 2020); >= 0."""
-    log_ratio = reference_logprobs - logprobs
+    """Per-token k3 estimator of KL(pi || ref): exp(d) - d - 1, d = ref - logp clamped to +-MAX_LOG_RATIO
+    (Schulman, 2020); >= 0."""
+    log_ratio = (reference_logprobs - logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     return torch.exp(log_ratio) - log_ratio - 1
 
 
@@ -260,8 +263,8 @@ def main():
                 critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip)
                 finite = run.update_ok(step, grad_norm, critic_grad_norm)  # too many skips in a row: save, stop
                 if finite:  # a non-finite gradient skips the step, weights untouched
+                    critic_optimizer.step()  # separate models: the order does not matter (verl: critic first)
                     optimizer.step()
-                    critic_optimizer.step()
                 history["skipped_updates"].append(float(not finite))
                 optimizer.zero_grad(set_to_none=True)
                 critic_optimizer.zero_grad(set_to_none=True)

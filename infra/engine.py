@@ -15,6 +15,7 @@ class HFGenerator:
 
     def __init__(self, model, tokenizer, batch_size=256):
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+        self.stop_ids = stop_token_ids(model, tokenizer)
         if dist.distributed():
             from transformers import AutoModelForCausalLM
             self.model = AutoModelForCausalLM.from_config(model.config, dtype=model.compute_dtype).to(model.device)
@@ -38,14 +39,15 @@ class HFGenerator:
     @torch.no_grad()
     def generate(self, prompts, n=1, max_tokens=256, temperature=1.0, top_p=1.0):
         from transformers import GenerationConfig, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
-        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        stops, pad = self.stop_ids, self.tokenizer.pad_token_id
         # Our own warpers, then the recorder, so it sees the processed distribution (HF would add its warpers last).
         warpers = [TemperatureLogitsWarper(temperature)] if temperature > 0 and temperature != 1 else []
         warpers += [TopPLogitsWarper(top_p)] if temperature > 0 and top_p < 1 else []
-        # Explicit neutral values, or generate() would fill them from the model's own generation_config.
-        config = GenerationConfig(max_new_tokens=max_tokens, do_sample=temperature > 0, temperature=1.0, top_p=1.0,
-                                  top_k=0 if temperature > 0 else None,
-                                  eos_token_id=eos, pad_token_id=pad, return_dict_in_generate=True)
+        # generate() fills every field left None from the model's own generation_config (repetition penalty, n-gram
+        # bans, top-k, min length...): start from transformers' neutral defaults, then set ours.
+        config = GenerationConfig(**{**GenerationConfig._get_default_generation_params(), "top_k": 0,
+                                     "max_new_tokens": max_tokens, "do_sample": temperature > 0, "eos_token_id": stops,
+                                     "pad_token_id": pad, "return_dict_in_generate": True})
         requests = [(i, p) for i, p in enumerate(prompts) for _ in range(n)]
         completions, was_training = [], self.model.training
         self.model.eval()
@@ -56,18 +58,31 @@ class HFGenerator:
             attention_mask = (torch.arange(width) >= torch.tensor([width - len(p) for _, p in chunk])[:, None]).long()
             device, recorder = self.model.device, _SampledLogprobs()
             dtype = getattr(self.model, "compute_dtype", torch.float32)
-            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-                out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                          generation_config=config, logits_processor=LogitsProcessorList(warpers + [recorder]))
+            own_config, self.model.generation_config = self.model.generation_config, GenerationConfig()  # none to fill
+            try:
+                with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                    out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                              generation_config=config,
+                                              logits_processor=LogitsProcessorList(warpers + [recorder]))
+            finally:
+                self.model.generation_config = own_config
             sampled = out.sequences[:, width:]
             logprobs, sampled = recorder.finish(sampled).cpu(), sampled.cpu()
             for row, (index, _) in enumerate(chunk):
                 tokens = sampled[row].tolist()
-                stop = tokens.index(eos) + 1 if eos in tokens else len(tokens)
+                stop = next((t + 1 for t, token in enumerate(tokens) if token in stops), None)  # the first stop id
                 completions.append(Completion(index, tokens[:stop], self.tokenizer.decode(tokens[:stop], skip_special_tokens=True),
-                                              logprobs[row, :stop].tolist(), "stop" if eos in tokens else "length"))
+                                              logprobs[row, :stop].tolist(), "length" if stop is None else "stop"))
         self.model.train(was_training)
         return completions
+
+
+def stop_token_ids(model, tokenizer):
+    """Every id a rollout stops on: the tokenizer's EOS and each id of the model's generation_config.eos_token_id
+    (chat checkpoints such as Qwen3's list two: <|im_end|> and <|endoftext|>)."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    return [i for i in dict.fromkeys([tokenizer.eos_token_id, *ids]) if i is not None]
 
 
 class _SampledLogprobs:

@@ -38,16 +38,18 @@ def effective_rank(matrix):
 def sign_accuracy(critic_values, mc_values, continuations, tau=0.0):
     """TPPO's diagnostic as defined here (its Appendix D.3, with the paper's exact definition, is not available
     to us). critic_values, mc_values: [N, A] values at A anchors of N responses, each MC value the mean of
-    `continuations` = K Bernoulli rewards. For consecutive anchors a < b: dMC = MC_b - MC_a, standard error
-    se = sqrt(MC_a (1 - MC_a) / K + MC_b (1 - MC_b) / K) (independent samples), SNR = |dMC| / se (0 / 0 = 0,
-    x / 0 = inf). Among the intervals with SNR > tau, the fraction with sign(dcritic) == sign(dMC) (a critic
-    change of exactly 0 counts as wrong). Returns (accuracy, or None when no interval is kept; kept fraction)."""
+    `continuations` = K Bernoulli rewards (c successes). For consecutive anchors a < b the MC change is tested
+    with the Agresti-Caffo adjustment (one success and one failure added at each anchor): p~ = (c + 1) / (K + 2),
+    d~ = p~_b - p~_a, se = sqrt(p~_a (1 - p~_a) / (K + 2) + p~_b (1 - p~_b) / (K + 2)) (independent samples),
+    SNR = |d~| / se, never 0 / 0. A change of one success (c_b - c_a = +-1) has SNR^2 <= (K + 2) / (3K + 1) < 1
+    for every K, so tau = 1 never keeps it (the plug-in p^(1 - p^) / K would: SNR sqrt(K / (K - 1)) for 0 vs 1).
+    Among the intervals with SNR > tau, the fraction with sign(d critic) == sign(d MC) (a critic change of exactly
+    0 counts as wrong). Returns (accuracy, or None when no interval is kept; kept fraction)."""
     critic_values, mc_values = np.asarray(critic_values, dtype=float), np.asarray(mc_values, dtype=float)
     mc_change, critic_change = np.diff(mc_values, axis=1), np.diff(critic_values, axis=1)
-    variance = mc_values * (1 - mc_values) / continuations
-    standard_error = np.sqrt(variance[:, 1:] + variance[:, :-1])
-    with np.errstate(divide="ignore", invalid="ignore"):
-        snr = np.where(mc_change == 0, 0.0, np.abs(mc_change) / standard_error)
+    adjusted = (mc_values * continuations + 1) / (continuations + 2)
+    variance = adjusted * (1 - adjusted) / (continuations + 2)
+    snr = np.abs(np.diff(adjusted, axis=1)) / np.sqrt(variance[:, 1:] + variance[:, :-1])
     kept = snr > tau
     if not kept.any():
         return None, 0.0

@@ -98,28 +98,45 @@ def test_effective_rank_of_random_low_rank_matrices():
 
 # ---------------------------------------------------------------- sign accuracy and SNR filter
 def test_sign_accuracy_with_snr_filter_by_hand():
-    K = 4
-    # row 0, MC (0.5, 0.75, 0.5, 1.0):
-    #   a->b 0.5 -> 0.75: se = sqrt(0.25/4 + 0.1875/4) = 0.3307, SNR 0.756; critic 0.5 -> 0.4 (down): wrong
-    #   0.75 -> 0.5: same se, SNR 0.756; critic 0.4 -> 0.35 (down): right
-    #   0.5 -> 1.0: se = sqrt(0.25/4 + 0) = 0.25, SNR 2.0; critic 0.35 -> 0.7 (up): right
-    # row 1, MC (0, 0, 1, 1): 0 -> 0 (0/0: SNR 0, never kept); 0 -> 1 (se 0: SNR inf, kept) with a flat critic
-    #   (counted wrong); 1 -> 1 not kept
+    K = 8  # Agresti-Caffo: p~ = (c + 1) / 10, se^2 = (p~_a (1 - p~_a) + p~_b (1 - p~_b)) / 10, SNR = |p~_b - p~_a| / se
+    # row 0, MC (2/8, 5/8, 3/8, 5/8), i.e. p~ (0.3, 0.6, 0.4, 0.6):
+    #   0.3 -> 0.6: se = sqrt((0.21 + 0.24) / 10) = 0.2121, SNR 1.414; critic 0.5 -> 0.4 (down): wrong
+    #   0.6 -> 0.4: se = sqrt(0.48 / 10) = 0.2191, SNR 0.913; critic 0.4 -> 0.35 (down): right
+    #   0.4 -> 0.6: SNR 0.913; critic 0.35 -> 0.7 (up): right
+    # row 1, MC (0, 0, 1, 1): p~ (0.1, 0.1, 0.9, 0.9): 0 -> 0 (SNR 0, never kept); 0 -> 1: se = sqrt(0.018) = 0.1342,
+    #   SNR 5.96, with a flat critic (counted wrong); 1 -> 1 not kept
     critic = [[0.5, 0.4, 0.35, 0.7], [0.2, 0.3, 0.3, 0.1]]
-    mc = [[0.5, 0.75, 0.5, 1.0], [0.0, 0.0, 1.0, 1.0]]
+    mc = [[2 / 8, 5 / 8, 3 / 8, 5 / 8], [0.0, 0.0, 1.0, 1.0]]
     accuracy, kept = infra.probes.sign_accuracy(critic, mc, K, tau=0)
     assert (accuracy, kept) == (pytest.approx(2 / 4), pytest.approx(4 / 6))
-    accuracy, kept = infra.probes.sign_accuracy(critic, mc, K, tau=1)  # keeps row 0's last interval and row 1's jump
-    assert (accuracy, kept) == (pytest.approx(1 / 2), pytest.approx(2 / 6))
-    accuracy, kept = infra.probes.sign_accuracy(critic, mc, K, tau=2.5)  # only the infinite-SNR interval
+    accuracy, kept = infra.probes.sign_accuracy(critic, mc, K, tau=1)  # keeps row 0's first interval and row 1's jump
+    assert (accuracy, kept) == (0.0, pytest.approx(2 / 6))
+    accuracy, kept = infra.probes.sign_accuracy(critic, mc, K, tau=2.5)  # only the jump
     assert (accuracy, kept) == (0.0, pytest.approx(1 / 6))
     assert infra.probes.sign_accuracy([[0.1, 0.2]], [[0.5, 0.5]], K, tau=0) == (None, 0.0)
 
 
+def test_sign_accuracy_one_sample_differences_are_never_significant():
+    # 0 vs 1 success of K: the plug-in se sqrt(p^ (1 - p^) / K) gave SNR sqrt(K / (K - 1)) > 1, so tau = 1 kept it.
+    # Agresti-Caffo: SNR^2 = (K + 2) / (3K + 1) at the extremes, less in between: below 1 for every K.
+    for K in (1, 2, 4, 8, 9, 16, 64):
+        for c in range(K):  # c vs c + 1 successes, both directions
+            up, down = [[c / K, (c + 1) / K]], [[(c + 1) / K, c / K]]
+            assert infra.probes.sign_accuracy([[0.0, 1.0]], up, K, tau=1) == (None, 0.0), (K, c)
+            assert infra.probes.sign_accuracy([[1.0, 0.0]], down, K, tau=1) == (None, 0.0), (K, c)
+            assert infra.probes.sign_accuracy([[0.0, 1.0]], up, K, tau=0) == (1.0, 1.0)  # any change is kept at tau = 0
+    # the extreme case by hand, K = 4: p~ = 1/6, 2/6; SNR^2 = (1/36) / ((5/36 + 8/36) / 6) = 6 / 13 = (4 + 2) / (12 + 1)
+    adjusted = (np.array([0, 1]) + 1) / 6
+    snr = abs(adjusted[1] - adjusted[0]) / math.sqrt((adjusted * (1 - adjusted)).sum() / 6)
+    assert snr ** 2 == pytest.approx(6 / 13)
+
+
 def test_sign_accuracy_more_continuations_keep_more_intervals():
-    critic, mc = [[0.0, 1.0]], [[0.5, 0.75]]  # SNR = 0.25 / sqrt((0.25 + 0.1875) / K) = 0.378 sqrt(K)
-    assert infra.probes.sign_accuracy(critic, mc, 4, tau=1) == (None, 0.0)  # SNR 0.756
-    assert infra.probes.sign_accuracy(critic, mc, 8, tau=1) == (1.0, 1.0)  # SNR 1.069
+    critic = [[0.0, 1.0]]  # the same MC change 0.5 -> 0.75; SNR = (K / 4) / (K + 2) / se
+    # K = 4: c 2 -> 3, p~ 0.5, 0.667, se = sqrt((0.25 + 0.2222) / 6) = 0.2805, SNR 0.594
+    assert infra.probes.sign_accuracy(critic, [[0.5, 0.75]], 4, tau=1) == (None, 0.0)
+    # K = 16: c 8 -> 12, p~ 0.5, 0.7222, se = sqrt((0.25 + 0.2006) / 18) = 0.1582, SNR 1.405
+    assert infra.probes.sign_accuracy(critic, [[0.5, 0.75]], 16, tau=1) == (1.0, 1.0)
 
 
 def test_variation_ratio_by_hand():

@@ -116,6 +116,35 @@ def test_tracking_logits_sum_increments_per_trajectory():
     assert torch.allclose(fl.tracking_logits(increments, starts), expected)
 
 
+def test_reduce_loss_by_hand():
+    # Two trajectories: positions 0..2 (losses 1, 2, 6) and 3..4 (losses 4, 8); starts [0, 3].
+    losses, starts = torch.tensor([1.0, 2.0, 6.0, 4.0, 8.0]), np.array([0, 3])
+    dense = torch.ones(5)
+    # seq-mean (SP3O's launcher): (1 + 2 + 6) / 3 = 3 and (4 + 8) / 2 = 6, then (3 + 6) / 2 = 4.5
+    assert fl.reduce_loss(losses, dense, starts, "seq-mean").item() == pytest.approx(4.5)
+    # token-mean: 21 / 5 = 4.2
+    assert fl.reduce_loss(losses, dense, starts, "token-mean").item() == pytest.approx(4.2)
+    # anchors at positions 1, 2 and 4: seq-mean (2 + 6) / 2 = 4 and 8, mean 6; token-mean (2 + 6 + 8) / 3
+    anchors = torch.tensor([0.0, 1.0, 1.0, 0.0, 1.0])
+    assert fl.reduce_loss(losses, anchors, starts, "seq-mean").item() == pytest.approx(6.0)
+    assert fl.reduce_loss(losses, anchors, starts, "token-mean").item() == pytest.approx(16 / 3)
+
+
+def test_every_critic_uses_the_chosen_reduction(monkeypatch):
+    seen = []
+    original = fl.reduce_loss
+    monkeypatch.setattr(fl, "reduce_loss", lambda *a: seen.append(a[3]) or original(*a))
+    _, tables = env_and_tables(fl.make_map(4, 4))
+    policy = fl.behaviour_policy(tables, 0.1, 0.99)
+    trajs, outcomes = fl.sample_trajectories(tables, policy, 32, np.random.default_rng(0))
+    for reduction in fl.REDUCTIONS:
+        args = fl.Args(steps=2, batch_trajectories=8, reduction=reduction)
+        for kind in fl.CRITICS:
+            seen.clear()
+            fl.train_critic(kind, trajs, outcomes, fl.cell_features(4, 1.0), args, seed=0)
+            assert seen == [reduction] * 2, (kind, reduction)
+
+
 def test_same_seed_same_numbers():
     args = fl.Args(steps=20, train_trajectories=128, eval_trajectories=64)
     first, _, _ = fl.run_one(4, 0, args)

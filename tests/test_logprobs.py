@@ -162,6 +162,35 @@ def test_hf_generator_ignores_the_models_own_sampling_defaults():
     assert len({tuple(c.token_ids) for c in completions}) >= 5
 
 
+def test_hf_generator_overrides_a_checkpoints_generation_config(tmp_path):
+    """A checkpoint whose generation_config.json sets a repetition penalty, a no-repeat n-gram size, top-k and two EOS
+    ids. Rollouts must sample the distribution the trainer computes (engine log-probs = trainer log-probs at the
+    requested temperature: a leaked repetition penalty would rescale the logits) and stop on either EOS id."""
+    from transformers import GenerationConfig
+    model, tokenizer = common.load_model("tiny", "float32", "cpu")
+    space = tokenizer.convert_tokens_to_ids(" ")  # the tiny model writes "8+5+0=13 7+6+0=13 ...": a space early on
+    model.generation_config = GenerationConfig(eos_token_id=[tokenizer.eos_token_id, space], repetition_penalty=3.0,
+                                               no_repeat_ngram_size=2, do_sample=True, top_k=5, bos_token_id=1, pad_token_id=0)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    model, tokenizer = common.load_model(str(tmp_path), "float32", "cpu")
+    assert model.generation_config.repetition_penalty == 3.0  # the checkpoint carries the settings
+    assert list(model.generation_config.eos_token_id) == [tokenizer.eos_token_id, space]
+    torch.manual_seed(0)
+    prompt = common.prompt_ids(tokenizer, "478+365")
+    completions = infra.engine.HFGenerator(model, tokenizer).generate([prompt], 16, 48, 1.0, 1.0)
+    stops = {tokenizer.eos_token_id, space}
+    for completion in completions:  # stopped at the first of either id, which ends the response
+        assert completion.finish_reason == "stop" and completion.token_ids[-1] in stops
+        assert not stops & set(completion.token_ids[:-1])
+    assert any(c.token_ids[-1] == space for c in completions)
+    batch = common.sequence_batch([prompt] * 16, [c.token_ids for c in completions], tokenizer.pad_token_id)
+    with torch.no_grad():
+        trainer = common.response_logprobs(model, batch, 1.0)
+    engine = common.engine_logprobs(completions, batch.response_width)
+    assert (engine - trainer)[batch.response_mask].abs().max() < 1e-4
+
+
 def test_engine_logprobs_pads_with_zero():
     completions = [common.Completion(0, [4, 5], "", [-0.5, -1.5], "stop"),
                    common.Completion(0, [6], "", [-2.0], "length")]

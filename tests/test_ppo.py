@@ -1,5 +1,7 @@
 """Tests for ppo.py: GAE, whitening, terminal rewards and the clipped value loss against hand-computed values,
 and a 2-step end-to-end run on the tiny model."""
+import importlib
+import inspect
 import json
 import math
 import os
@@ -83,6 +85,38 @@ def test_value_loss_clips_around_old_values_by_hand():
     halves = [ppo.value_loss(values[:, s], old_values[:, s], returns[:, s], mask[:, s], 0.2, num_tokens=2)
               for s in (slice(0, 1), slice(1, 3))]
     assert sum(h.item() for h in halves) == pytest.approx(0.37)
+
+
+TRAINERS = ("ppo", "grpo", "sp3o", "tppo", "sppo", "spo")
+
+
+@pytest.mark.parametrize("name", TRAINERS)
+def test_one_extreme_token_keeps_the_policy_loss_and_kl_finite(name):
+    module = importlib.import_module(name)
+    bound = module.MAX_LOG_RATIO
+    assert bound == (10.0 if name == "spo" else 20.0)  # SPO's ppo_trainer.py clamps at 10, verl's core_algos at 20
+    # token 0: log-ratio +1000 (exp overflows) with A < 0; token 1: an ordinary token; token 2: padding whose old
+    # log-prob is -inf (exp(inf) * A = 0 would be NaN, and NaN * mask 0 stays NaN)
+    logprobs = torch.tensor([[0.0, -1.0, 0.0]], requires_grad=True)
+    old_logprobs = torch.tensor([[-1000.0, -1.1, float("-inf")]])
+    advantages, mask = torch.tensor([[-1.0, 0.5, 0.0]]), torch.tensor([[True, True, False]])
+    loss, clip_fraction = module.policy_loss(logprobs, old_logprobs, advantages, mask)
+    # token 0: r = e^bound (clamped): max(e^bound, 1.2) = e^bound; token 1: r = e^0.1 inside the clip range,
+    # -0.5 e^0.1; token-mean over the 2 valid tokens
+    assert loss.item() == pytest.approx((math.exp(bound) - 0.5 * math.exp(0.1)) / 2, rel=1e-5)
+    loss.backward()
+    assert torch.isfinite(logprobs.grad).all() and torch.isfinite(clip_fraction)
+    assert logprobs.grad[0, 0] == 0  # beyond the clamp the token gives no gradient (as verl and SPO)
+    kl = module.k3_kl(torch.zeros(2), torch.tensor([1000.0, -1000.0]))  # k3 = e^d - d - 1 with d clamped
+    assert torch.allclose(kl, torch.tensor([math.exp(bound) - bound - 1, math.exp(-bound) + bound - 1]))
+
+
+def test_policy_loss_and_k3_are_the_same_code_in_every_trainer():
+    sources = {name: inspect.getsource(importlib.import_module(name).policy_loss) for name in TRAINERS if name != "sppo"}
+    assert len(set(sources.values())) == 1  # sppo adds dual-clip to the same function
+    sppo_source = inspect.getsource(importlib.import_module("sppo").policy_loss)
+    assert "torch.exp((logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))" in sppo_source
+    assert len({inspect.getsource(importlib.import_module(name).k3_kl) for name in TRAINERS}) == 1
 
 
 def run_trainer(script, tmp_path, name, *extra):

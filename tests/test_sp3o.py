@@ -22,6 +22,28 @@ def test_released_anchor_vectors():
     assert sp3o.anchor_positions(2) == [0]  # L = 1: 0.3 -> 0, 0.6 -> 1 and 0.9 -> 1 capped at L - 1 = 0; merged
 
 
+def test_released_test_vectors():
+    # Dodojordi/SP3O tests/test_sp3o.py, through anchor_weights (per-anchor weights 1: the mask the released code builds)
+    def released_mask(loss_mask, **kwargs):
+        return sp3o.anchor_weights(torch.tensor([loss_mask], dtype=torch.bool), reduction="token-mean", **kwargs)[0].tolist()
+    assert released_mask([1] * 11) == [0, 0, 0, 1, 0, 0, 1, 0, 0, 1, 0]  # main ratios select three positions
+    assert released_mask([1, 0, 1, 1, 0, 1, 1]) == [0, 0, 1, 1, 0, 1, 0]  # only positions the mask enables count
+    assert released_mask([1, 1]) == [1, 0]  # colliding anchors merge
+    assert released_mask([0] * 5) == [0] * 5  # empty response
+    short = released_mask([1] * 9, tail_ratio=0.95, tail_min_len=10)  # the tail anchor obeys the length threshold
+    long = released_mask([1] * 10, tail_ratio=0.95, tail_min_len=10)
+    assert (sum(short), sum(long), long[9]) == (3, 4, 1)
+    # test_ratio_one_can_select_terminal_position: build_ratio_anchor_mask(torch.ones(5), [1.0])
+    assert released_mask([1] * 5, ratios=(1.0,), tail_ratio=0) == [0, 0, 0, 0, 1]
+
+
+def test_only_ratios_below_one_are_capped():
+    assert sp3o.anchor_positions(5, (1.0,), tail_ratio=0) == [4]  # 1.0 may pick the last token
+    assert sp3o.anchor_positions(5, (0.99,), tail_ratio=0) == [3]  # round(3.96) = 4, capped at L - 1 = 3
+    assert sp3o.anchor_positions(5, (0.3, 1.0), tail_ratio=0) == [1, 4]
+    assert sp3o.anchor_positions(1, (1.0,), tail_ratio=0) == [0]  # L = 0: no cap, the only token
+
+
 def test_anchor_edge_cases():
     assert sp3o.anchor_positions(0) == []  # empty response: no anchor
     assert sp3o.anchor_positions(-3) == []
@@ -48,8 +70,10 @@ def test_tail_anchor_threshold():
 
 
 def test_many_anchors_merge():
-    ratios = tuple(i / 16 for i in range(1, 17))  # K = 16 on a 11-token response: offsets 1..10, 10 capped to 9
+    ratios = tuple(i / 16 for i in range(1, 16))  # K = 15 on a 11-token response: offsets 1..10, 10 capped to 9
     assert sp3o.anchor_positions(11, ratios) == list(range(1, 10))
+    # with 16 / 16 = 1.0 added: a ratio of exactly 1.0 is not capped (released), so it adds the last token
+    assert sp3o.anchor_positions(11, ratios + (1.0,)) == list(range(1, 11))
 
 
 def test_anchor_weights_skip_masked_tokens_and_weigh_each_sample_once():
@@ -111,10 +135,23 @@ def test_critic_loss_is_independent_of_the_micro_batch_split():
         assert whole.item() == pytest.approx(parts.item())
 
 
+def test_dense_seq_mean_weights_give_the_released_sum_of_sample_mean():
+    # slime's sum_of_sample_mean: each sample's masked mean, summed, then / the batch's samples. Per-token weights
+    # 1 / n_i summed over a mini-batch give its non-empty samples: value_loss(..., num_tokens=that) is the same.
+    mask = torch.tensor([[True, True, True, False], [True, False, False, False]])
+    values, returns = torch.tensor([[0.0, 0.5, 1.0, 9.0], [0.25, 9.0, 9.0, 9.0]]), torch.ones(2, 4)
+    # row 0: (1 + 0.25 + 0) / 3 = 5 / 12; row 1: 0.5625; mean (5 / 12 + 0.5625) / 2 = 0.4896
+    weights = mask / mask.sum(1, keepdim=True)
+    loss = sp3o.value_loss(values, values, returns, weights, clip=0.2, num_tokens=weights.sum().item())
+    assert loss.item() == pytest.approx((5 / 12 + 0.5625) / 2)
+    assert sp3o.value_loss(values, values, returns, mask.float(), 0.2).item() == pytest.approx((1.25 + 0.5625) / 4)
+
+
 def test_published_defaults_and_tiny_warmup():
     args = infra.run.parse_args(sp3o.Args, sp3o.TINY_PRESET, ["--model", "Qwen3-4B-Base"])
     assert (args.lr, args.critic_lr, args.weight_decay, args.adam_betas) == (1e-6, 4e-6, 0.1, (0.9, 0.98))
     assert (args.whiten_advantages, args.critic_warmup, args.anchor_ratios) == (False, 20, (0.3, 0.6, 0.9))
+    assert (args.aggregation, args.truncated_is, args.tis_cap) == ("seq-mean", "auto", 2.0)  # per sample, then samples
     assert (args.prompts_per_step, args.samples_per_prompt, args.mini_batches, args.max_response_tokens) == (64, 8, 2, 8192)
     assert infra.run.parse_args(sp3o.Args, sp3o.TINY_PRESET, []).critic_warmup == 5
     ablation = infra.run.parse_args(sp3o.Args, sp3o.TINY_PRESET, ["--anchor-ratios", "0.2", "0.5", "0.8", "--tail-ratio", "0"])

@@ -6,49 +6,86 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import common  # noqa: E402
+import infra.run  # noqa: E402
 import spo  # noqa: E402
 
 # 14 tokens; p < 0.9 at positions 1, 3, 4, 6, 7, 9, 10, 11, 12, 13 (0.9 itself is not low).
 PROBS = torch.tensor([0.95, 0.5, 0.99, 0.3, 0.8, 0.9, 0.2, 0.6, 0.99, 0.1, 0.5, 0.4, 0.7, 0.85])
 
 
-def test_cutpoints_interval_1_and_5():
-    # interval 1: a cut just before every low-probability token -> positions - 1.
+def released_cutpoints(probs, interval):
+    """The released line, verbatim in numpy (math_episode_generator_with_mc_advantages.py)."""
+    cutpoints = np.where(np.asarray(probs) < 0.9)[0]
+    cutpoints = cutpoints - 1
+    return cutpoints[::interval].tolist()
+
+
+def test_cutpoints_methods_md_example():
+    # METHODS.md: low-probability tokens [0, 2, 4, 5, 7, 8] -> interval 1: [-1, 1, 3, 4, 6, 7]; 2: [-1, 3, 6]; 5: [-1, 7]
+    probs = torch.tensor([0.3, 0.95, 0.5, 0.99, 0.2, 0.1, 0.97, 0.4, 0.6])
+    assert spo.cutpoints(probs, 0.9, 1) == [-1, 1, 3, 4, 6, 7]
+    assert spo.cutpoints(probs, 0.9, 2) == [-1, 3, 6]
+    assert spo.cutpoints(probs, 0.9, 5) == [-1, 7]
+
+
+def test_cutpoints_interval_1_2_and_5():
+    # before the 1st, (1 + interval)-th, ... low-probability token: positions 1, 3, 4, 6, 7, 9, 10, 11, 12, 13
     assert spo.cutpoints(PROBS, 0.9, 1) == [0, 2, 3, 5, 6, 8, 9, 10, 11, 12]
-    # interval 5: before the 5th (position 7) and 10th (position 13) low-probability tokens.
-    assert spo.cutpoints(PROBS, 0.9, 5) == [6, 12]
-    # interval 2: the 2nd, 4th, ... (positions 3, 6, 9, 11, 13).
-    assert spo.cutpoints(PROBS, 0.9, 2) == [2, 5, 8, 10, 12]
+    assert spo.cutpoints(PROBS, 0.9, 2) == [0, 3, 6, 9, 11]  # the 1st, 3rd, 5th, 7th, 9th
+    assert spo.cutpoints(PROBS, 0.9, 5) == [0, 8]  # the 1st and 6th
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # the released line on random responses
+        probs = rng.choice([0.05, 0.5, 0.89, 0.9, 0.95, 1.0], size=rng.integers(0, 30))
+        for interval in (1, 2, 3, 5, 7):
+            assert spo.cutpoints(torch.tensor(probs), 0.9, interval) == released_cutpoints(probs, interval)
 
 
 def test_cutpoints_edge_cases():
-    # a low first token would cut at -1, the prompt state, which is always a border: left out.
-    assert spo.cutpoints(torch.tensor([0.5, 0.95, 0.5]), 0.9, 1) == [1]
+    assert spo.cutpoints(torch.tensor([0.5, 0.95, 0.5]), 0.9, 1) == [-1, 1]  # a low first token: the prompt state
     assert spo.cutpoints(torch.tensor([0.95, 0.99]), 0.9, 1) == []  # a sure response has no cutpoint
-    assert spo.cutpoints(torch.tensor([0.5, 0.5, 0.5, 0.5]), 0.9, 5) == []  # fewer low tokens than the interval
+    assert spo.cutpoints(torch.tensor([0.95, 0.5, 0.5, 0.5]), 0.9, 5) == [0]  # fewer low tokens than the interval: one
     assert spo.cutpoints(torch.tensor([]), 0.9, 1) == []  # empty response
 
 
 def test_chain_advantages_hand_computed():
-    # Row 0: R = 1, V(-1) = 0.5, cuts [2, 5] with V = [0.25, 0.75], 8 valid tokens of 9 columns:
+    # Row 0: R = 1, cuts [-1, 2, 5] with V = [0.5, 0.25, 0.75], 8 valid tokens of 9 columns:
     #   tokens 0..2: 0.25 - 0.5 = -0.25; tokens 3..5: 0.75 - 0.25 = 0.5; tokens 6..7: 1 - 0.75 = 0.25; pad 0.
-    # Row 1: no cutpoint -> all 0. Row 2: R = 0, V(-1) = 0.5, one cut at 0 with V = 1:
-    #   token 0: 1 - 0.5 = 0.5; tokens 1..3: 0 - 1 = -1.
-    mask = torch.tensor([[True] * 8 + [False], [True] * 9, [True] * 4 + [False] * 5])
-    advantages = spo.chain_advantages(torch.tensor([1.0, 1.0, 0.0]), torch.tensor([0.5, 0.5, 0.5]),
-                                      [[2, 5], [], [0]], [[0.25, 0.75], [], [1.0]], mask)
+    # Row 1: no cutpoint -> all 0. Row 2: R = 0, one cut at 0 with V = 1 (the first token was sure, p >= 0.9):
+    #   token 0 (up to the first cut): 0; tokens 1..3: 0 - 1 = -1.
+    # Row 3: R = 1, the only cut is the prompt state, V(-1) = 0.25: every token gets 1 - 0.25.
+    mask = torch.tensor([[True] * 8 + [False], [True] * 9, [True] * 4 + [False] * 5, [True] * 3 + [False] * 6])
+    advantages = spo.chain_advantages(torch.tensor([1.0, 1.0, 0.0, 1.0]), [[-1, 2, 5], [], [0], [-1]],
+                                      [[0.5, 0.25, 0.75], [], [1.0], [0.25]], mask)
     expected = torch.tensor([[-0.25] * 3 + [0.5] * 3 + [0.25] * 2 + [0.0],
                              [0.0] * 9,
-                             [0.5] + [-1.0] * 3 + [0.0] * 5])
+                             [0.0] + [-1.0] * 3 + [0.0] * 5,
+                             [0.75] * 3 + [0.0] * 6])
     assert torch.allclose(advantages, expected)
     # the segment advantages telescope: one token from each segment adds up to R - V(-1)
     assert advantages[0, [0, 3, 6]].sum().item() == pytest.approx(1.0 - 0.5)
+
+
+def test_every_low_probability_token_gets_a_segment_advantage():
+    # The released rule leaves no low-probability token without a border on each side: every one lies after the
+    # first cut (so its advantage is a value difference, never a structural 0 that whitening would shift to -mu/sigma).
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        probs = torch.tensor(rng.choice([0.3, 0.7, 0.95, 0.99], size=rng.integers(1, 25)))
+        for interval in (1, 5):
+            cuts = spo.cutpoints(probs, 0.9, interval)
+            low = (probs < 0.9).nonzero().flatten().tolist()
+            assert bool(low) == bool(cuts)
+            assert all(j > cuts[0] for j in low)
+            values = [[float(k + 1) for k in range(len(cuts))]]  # distinct values: every difference is non-zero
+            advantages = spo.chain_advantages(torch.tensor([100.0]), [cuts], values, torch.ones(1, len(probs), dtype=torch.bool))
+            assert all(advantages[0, j] != 0 for j in low)
 
 
 def test_probability_mask_and_whitening_over_masked_tokens():
@@ -81,7 +118,7 @@ def test_all_rewards_equal_give_no_nan():
     mask = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
     for reward in (0.0, 1.0):
         rewards = torch.full((2,), reward)
-        advantages = spo.chain_advantages(rewards, rewards, [[1, 3], []], [[reward, reward], []], mask)
+        advantages = spo.chain_advantages(rewards, [[1, 3], []], [[reward, reward], []], mask)
         assert torch.equal(advantages, torch.zeros(2, 6))
         for loss_mask in (mask, torch.zeros_like(mask), torch.eye(2, 6, dtype=torch.bool)):  # many, none, one each
             whitened = spo.masked_whiten(advantages, loss_mask)
@@ -93,6 +130,57 @@ def test_all_rewards_equal_give_no_nan():
     # one masked token only: no std to divide by, the value is kept (never NaN)
     single = spo.masked_whiten(torch.tensor([[0.7, 5.0]]), torch.tensor([[True, False]]))
     assert torch.equal(single, torch.tensor([[0.7, 0.0]]))
+
+
+def test_kl_loss_is_a_per_sequence_sum_over_the_loss_tokens():
+    # Released (ppo_trainer.py, klLoss + refKl0.0001): beta * mean over sequences of sum_t k3_t * mask_t.
+    # Row 0: ref - logp = [0, ln 2, 30 (clamped to 10), 1] with mask [1, 1, 1, 0]; row 1: [ln 0.5] with mask [1].
+    # k3(d) = e^d - d - 1: k3(0) = 0, k3(ln 2) = 1 - ln 2, k3(10) = e^10 - 11; row 1: k3(-ln 2) = ln 2 - 0.5.
+    logprobs = torch.zeros(2, 4)
+    reference = torch.tensor([[0.0, math.log(2), 30.0, 1.0], [-math.log(2), 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[True, True, True, False], [True, False, False, False]])
+    expected = ((1 - math.log(2)) + (math.exp(10) - 11) + (math.log(2) - 0.5)) / 2
+    assert spo.kl_loss(logprobs, reference, mask).item() == pytest.approx(expected, rel=1e-6)
+    # micro-batches given the mini-batch's sequence count add up to the whole
+    parts = sum(spo.kl_loss(logprobs[[r]], reference[[r]], mask[[r]], num_sequences=2).item() for r in (0, 1))
+    assert parts == pytest.approx(expected, rel=1e-6)
+    # a token-mean would be 4 (loss tokens of the batch) / 2 (sequences) = 2 times smaller here
+    assert spo.kl_loss(logprobs, reference, mask).item() == pytest.approx(2 * spo.aggregate(
+        spo.k3_kl(logprobs, reference), mask, "token-mean").item(), rel=1e-6)
+
+
+def test_lr_factor_is_deepspeeds_warmup_decay():
+    # DeepSpeed WarmupDecayLR as the released configs fill it: W = ceil(0.03 * total) (at least 2), log warm-up
+    # log(u + 1) / log(W), then (total - u) / (total - W). total 1000 -> W = 30.
+    assert spo.lr_factor(0, 1000) == 0.0
+    assert spo.lr_factor(1, 1000) == pytest.approx(math.log(2) / math.log(30))
+    assert spo.lr_factor(29, 1000) == pytest.approx(1.0)
+    assert spo.lr_factor(30, 1000) == pytest.approx(1.0)
+    assert spo.lr_factor(515, 1000) == pytest.approx(485 / 970)
+    assert spo.lr_factor(999, 1000) == pytest.approx(1 / 970)
+    assert spo.lr_factor(10, 100) == pytest.approx(90 / 97)  # W = ceil(3.0) = 3
+    assert spo.lr_factor(1, 10) == pytest.approx(1.0)  # W = max(2, ceil(0.3)) = 2: log 2 / log 2
+    assert spo.lr_factor(0, 1000, schedule="constant") == spo.lr_factor(999, 1000, schedule="constant") == 1.0
+
+
+def test_cap_edges_keeps_at_most_cap_per_prompt():
+    torch.manual_seed(0)
+    edges = list(range(100))
+    prompts = [0] * 40 + [1] * 10 + [2] * 50
+    kept = spo.cap_edges(edges, prompts, cap=32)
+    counts = [sum(prompts[e] == p for e in kept) for p in (0, 1, 2)]
+    assert counts == [32, 10, 32] and kept == sorted(kept) and set(kept) >= set(range(40, 50))
+    assert spo.cap_edges(edges, prompts, cap=32) != kept  # a fresh uniform draw each call
+    assert spo.cap_edges(edges, prompts, cap=100) == edges
+
+
+def test_published_defaults():
+    args = infra.run.parse_args(spo.Args, spo.TINY_PRESET, ["--model", "Qwen3-4B-Base"])
+    assert (args.cut_interval, args.mc_samples, args.prob_threshold, args.kl_coef) == (5, 9, 0.9, 1e-4)
+    assert (args.mini_batches, args.epochs, args.weight_decay, args.lr_warmup) == (8, 2, 0.0, 0.03)
+    assert (args.lr_schedule, args.adam_betas, args.temperature) == ("warmup-decay", (0.9, 0.999), 0.6)
+    assert (args.tree_prompts, args.tree_edges_per_prompt, args.tree_branching, args.tree_depth) == (16, 32, 6, 3)
+    assert spo.MAX_LOG_RATIO == 10.0
 
 
 class CharTokenizer:
