@@ -267,12 +267,13 @@ def test_chain_two_steps_end_to_end(tmp_path):
         # 4 prompts x 8 samples: the policy's tokens are 32 x the mean response length
         assert record["policy_tokens"] == pytest.approx(32 * record["response_length"])
         assert record["mc_tokens"] >= 0 and record["mc_tokens"] == int(record["mc_tokens"])
-        # interval 1 in the tiny preset: one cutpoint per low-probability token, minus cuts at -1
+        # interval 5 (published, and the tiny preset's): one cut per 5 low-probability tokens, rounded up
         assert record["cutpoints_per_response"] <= record["low_probability_tokens"]
+        assert record["cutpoints_per_response"] > 0 or record["low_probability_tokens"] == 0
 
 
 def test_tree_two_steps_end_to_end(tmp_path):
-    for record in run_two_steps(tmp_path, "e2e_spo_tree", "--mode", "tree", "--tree-branching", "2"):
+    for record in run_two_steps(tmp_path, "e2e_spo_tree", "--mode", "tree", "--tree-branching", "2", "--tree-prompts", "4"):
         assert 2 <= record["tree_leaves"] <= 8  # branching 2, depth 3
         assert 0 < record["edges_kept"] <= 1
         # the leaves' mean reward over 4 prompts x tree_leaves leaves

@@ -88,9 +88,18 @@ def test_prompt_only_critic_reads_the_last_prompt_token():
     assert from_select.item() == pytest.approx(direct.item(), abs=1e-5)
 
 
+def test_published_defaults_of_the_released_7b_script():
+    import infra.run
+    args = infra.run.parse_args(sppo.Args, sppo.TINY_PRESET, ["--model", "Qwen3-4B-Base"])
+    # run_R1-7B_DAPO_SEQUENCE.sh: 512 prompts x 1, PPO mini-batches of 32 prompts for actor and critic -> 16 steps
+    assert (args.prompts_per_step, args.samples_per_prompt, args.mini_batches, args.epochs) == (512, 1, 16, 1)
+    assert (args.adam_betas, args.critic_warmup, args.aggregation) == ((0.9, 0.999), 0, "token-mean")
+    assert (args.lr, args.critic_lr, args.temperature, args.weight_decay) == (1e-6, 1e-5, 0.6, 0.1)
+
+
 def test_two_steps_end_to_end(tmp_path):
     command = [sys.executable, os.path.join(ROOT, "sppo.py"), "--steps", "2", "--prompts-per-step", "4",
-               "--micro-batch-size", "2", "--eval-problems", "16", "--run-name", "e2e_sppo", "--output-dir", str(tmp_path),
+               "--micro-batch-size", "2", "--mini-batches", "2", "--eval-problems", "16", "--run-name", "e2e_sppo", "--output-dir", str(tmp_path),
                "--probe-every", "1", "--probe-prompts", "4", "--probe-continuations", "2"]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -92,6 +92,15 @@ def test_critic_targets_are_the_outcome_with_lambda_critic_one():
     assert torch.allclose(returns, rewards[:, None] * mask, atol=1e-6)
 
 
+def test_table_5_settings_and_verl_defaults():
+    args = infra.run.parse_args(tppo.Args, tppo.TINY_PRESET, ["--model", "Qwen3-8B-Base"])
+    # TPPO's Table 5 (math): rollout top-p 0.95, 64 prompts, mini-batches of 32 prompts (2 steps), actor lr 1e-6
+    assert (args.top_p, args.prompts_per_step, args.mini_batches, args.lr, args.temperature) == (0.95, 64, 2, 1e-6, 1.0)
+    # not published: verl's defaults (whitened advantages, token-mean, no critic warm-up, AdamW 0.01 / 0.999)
+    assert (args.whiten_advantages, args.aggregation, args.critic_warmup) == (True, "token-mean", 0)
+    assert (args.weight_decay, args.adam_betas, args.critic_lr) == (0.01, (0.9, 0.999), 1e-5)
+
+
 def test_lambda_defaults():
     args = infra.run.parse_args(tppo.Args, tppo.TINY_PRESET, ["--model", "Qwen3-8B-Base"])
     assert (args.lam_actor, args.lam_critic, args.critic_head, args.lr) == (0.95, 1.0, "shared", 1e-6)
