@@ -46,8 +46,8 @@ class HFGenerator:
         # generate() fills every field left None from the model's own generation_config (repetition penalty, n-gram
         # bans, top-k, min length...): start from transformers' neutral defaults, then set ours.
         config = GenerationConfig(**{**GenerationConfig._get_default_generation_params(), "top_k": 0,
-                                     "max_new_tokens": max_tokens, "do_sample": temperature > 0, "eos_token_id": stops,
-                                     "pad_token_id": pad, "return_dict_in_generate": True})
+                                     "max_length": None, "max_new_tokens": max_tokens, "do_sample": temperature > 0,
+                                     "eos_token_id": stops, "pad_token_id": pad, "return_dict_in_generate": True})
         requests = [(i, p) for i, p in enumerate(prompts) for _ in range(n)]
         completions, was_training = [], self.model.training
         self.model.eval()
