@@ -54,7 +54,7 @@ class Args(infra.run.RunArgs):
 
 # The CPU demo: small batches, a higher learning rate (5e-5 to 1e-4 is the safe range for the tiny model),
 # greedy evaluation on 256 held-out problems.
-TINY_PRESET = dict(prompts_per_step=128, max_response_tokens=48, lr=1e-4, critic_lr=5e-4)
+TINY_PRESET = dict(prompts_per_step=128, max_response_tokens=48, lr=1e-4, critic_lr=5e-4, mini_batches=2)  # 16: swings
 MAX_LOG_RATIO = 20.0  # log-ratios are clamped to +-this before exp, in the policy loss and the KL (verl: 20)
 
 
