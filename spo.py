@@ -378,8 +378,8 @@ def main():
                                                       token_advantages[micro, :width], micro_loss_mask,
                                                       args.clip_low, args.clip_high, args.aggregation, **counts)
                     if reference is not None:  # SPO: k3 summed over each sequence's loss tokens, mean over sequences
-                        loss = loss + args.kl_coef * kl_loss(logprobs, reference_logprobs[micro, :width], micro_loss_mask,
-                                                             len(mini_batch))
+                        kl = kl_loss(logprobs, reference_logprobs[micro, :width], micro_loss_mask, len(mini_batch))
+                        loss = loss + args.kl_coef * kl
                     loss.backward()
                     mini_batch_loss += loss.item()
                     history["clip_fraction"].append(clip_fraction.item())

@@ -170,7 +170,8 @@ def test_hf_generator_overrides_a_checkpoints_generation_config(tmp_path):
     model, tokenizer = common.load_model("tiny", "float32", "cpu")
     space = tokenizer.convert_tokens_to_ids(" ")  # the tiny model writes "8+5+0=13 7+6+0=13 ...": a space early on
     model.generation_config = GenerationConfig(eos_token_id=[tokenizer.eos_token_id, space], repetition_penalty=3.0,
-                                               no_repeat_ngram_size=2, do_sample=True, top_k=5, bos_token_id=1, pad_token_id=0)
+                                               no_repeat_ngram_size=2, do_sample=True, top_k=5, bos_token_id=1,
+                                               pad_token_id=0)
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     model, tokenizer = common.load_model(str(tmp_path), "float32", "cpu")

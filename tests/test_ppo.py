@@ -112,7 +112,8 @@ def test_one_extreme_token_keeps_the_policy_loss_and_kl_finite(name):
 
 
 def test_policy_loss_and_k3_are_the_same_code_in_every_trainer():
-    sources = {name: inspect.getsource(importlib.import_module(name).policy_loss) for name in TRAINERS if name != "sppo"}
+    sources = {name: inspect.getsource(importlib.import_module(name).policy_loss) for name in TRAINERS
+               if name != "sppo"}
     assert len(set(sources.values())) == 1  # sppo adds dual-clip to the same function
     sppo_source = inspect.getsource(importlib.import_module("sppo").policy_loss)
     assert "torch.exp((logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))" in sppo_source

@@ -23,9 +23,10 @@ def test_released_anchor_vectors():
 
 
 def test_released_test_vectors():
-    # Dodojordi/SP3O tests/test_sp3o.py, through anchor_weights (per-anchor weights 1: the mask the released code builds)
+    # Dodojordi/SP3O tests/test_sp3o.py, through anchor_weights (per-anchor weights 1: the released code's mask)
     def released_mask(loss_mask, **kwargs):
-        return sp3o.anchor_weights(torch.tensor([loss_mask], dtype=torch.bool), reduction="token-mean", **kwargs)[0].tolist()
+        mask = torch.tensor([loss_mask], dtype=torch.bool)
+        return sp3o.anchor_weights(mask, reduction="token-mean", **kwargs)[0].tolist()
     assert released_mask([1] * 11) == [0, 0, 0, 1, 0, 0, 1, 0, 0, 1, 0]  # main ratios select three positions
     assert released_mask([1, 0, 1, 1, 0, 1, 1]) == [0, 0, 1, 1, 0, 1, 0]  # only positions the mask enables count
     assert released_mask([1, 1]) == [1, 0]  # colliding anchors merge

@@ -28,7 +28,8 @@ def released_cutpoints(probs, interval):
 
 
 def test_cutpoints_methods_md_example():
-    # METHODS.md: low-probability tokens [0, 2, 4, 5, 7, 8] -> interval 1: [-1, 1, 3, 4, 6, 7]; 2: [-1, 3, 6]; 5: [-1, 7]
+    # METHODS.md: low-probability tokens [0, 2, 4, 5, 7, 8] -> interval 1: [-1, 1, 3, 4, 6, 7]; 2: [-1, 3, 6];
+    # 5: [-1, 7]
     probs = torch.tensor([0.3, 0.95, 0.5, 0.99, 0.2, 0.1, 0.97, 0.4, 0.6])
     assert spo.cutpoints(probs, 0.9, 1) == [-1, 1, 3, 4, 6, 7]
     assert spo.cutpoints(probs, 0.9, 2) == [-1, 3, 6]
@@ -84,7 +85,8 @@ def test_every_low_probability_token_gets_a_segment_advantage():
             assert bool(low) == bool(cuts)
             assert all(j > cuts[0] for j in low)
             values = [[float(k + 1) for k in range(len(cuts))]]  # distinct values: every difference is non-zero
-            advantages = spo.chain_advantages(torch.tensor([100.0]), [cuts], values, torch.ones(1, len(probs), dtype=torch.bool))
+            mask = torch.ones(1, len(probs), dtype=torch.bool)
+            advantages = spo.chain_advantages(torch.tensor([100.0]), [cuts], values, mask)
             assert all(advantages[0, j] != 0 for j in low)
 
 
@@ -273,7 +275,8 @@ def test_chain_two_steps_end_to_end(tmp_path):
 
 
 def test_tree_two_steps_end_to_end(tmp_path):
-    for record in run_two_steps(tmp_path, "e2e_spo_tree", "--mode", "tree", "--tree-branching", "2", "--tree-prompts", "4"):
+    for record in run_two_steps(tmp_path, "e2e_spo_tree", "--mode", "tree", "--tree-branching", "2",
+                                "--tree-prompts", "4"):
         assert 2 <= record["tree_leaves"] <= 8  # branching 2, depth 3
         assert 0 < record["edges_kept"] <= 1
         # the leaves' mean reward over 4 prompts x tree_leaves leaves

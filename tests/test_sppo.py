@@ -99,7 +99,8 @@ def test_published_defaults_of_the_released_7b_script():
 
 def test_two_steps_end_to_end(tmp_path):
     command = [sys.executable, os.path.join(ROOT, "sppo.py"), "--steps", "2", "--prompts-per-step", "4",
-               "--micro-batch-size", "2", "--mini-batches", "2", "--eval-problems", "16", "--run-name", "e2e_sppo", "--output-dir", str(tmp_path),
+               "--mini-batches", "2", "--micro-batch-size", "2", "--eval-problems", "16", "--run-name", "e2e_sppo",
+               "--output-dir", str(tmp_path),
                "--probe-every", "1", "--probe-prompts", "4", "--probe-continuations", "2"]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
