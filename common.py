@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from infra import UserError, dist, verifier
+from infra import UserError, answer_line, dist, verifier
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -86,19 +86,24 @@ def forward(model, batch, **kwargs):
 
 
 # ----------------------------------------------------------------------------------------------
-# The prompt: the tokenizer's chat template when it has one, else a plain template; the answer goes in \\boxed{}.
+# The prompt: a question string asks for the answer in \\boxed{}; a dataset's chat messages are used as given.
 # ----------------------------------------------------------------------------------------------
 def plain_prompt(question):
     return f"{question}\n{INSTRUCTION}\n"
 
 
 def prompt_ids(tokenizer, question):
-    """Token ids of the prompt: the tokenizer's chat template when it has one, else a plain template."""
+    """Token ids of the prompt. `question` is a string, or a row's list of chat messages ({"role", "content"}).
+    A string gets our instruction (answer in \\boxed{}): in the tokenizer's chat template as one user message when
+    it has one, else plain_prompt. Chat messages are used as given, no instruction added: through the chat
+    template, or, for a tokenizer without one, their contents joined by newlines with a final newline (the
+    layout of plain_prompt; roles are dropped)."""
+    messages = question if isinstance(question, list) else [{"role": "user", "content": f"{question}\n{INSTRUCTION}"}]
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": f"{question}\n{INSTRUCTION}"}],
-                                             tokenize=False, add_generation_prompt=True)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    return tokenizer(plain_prompt(question), add_special_tokens=False)["input_ids"]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:
+        text = plain_prompt(question) if isinstance(question, str) else "".join(m["content"] + "\n" for m in messages)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -149,6 +154,22 @@ def verify(response, gold, timeout=VERIFY_TIMEOUT_S):
     return verifier.CHECKER.check(gold, answer, deadline)
 
 
+def verify_answer_line(response, gold):
+    """1.0 if the last `Answer:` line of `response` equals `gold` the way DAPO's released reward decides it (verl
+    utils/reward_score/math_dapo.py, ported in infra/answer_line.py: the response's last 300 characters, Minerva's
+    normalization of both sides (units, \\text{}, `$`, thousands commas ...), then string equality), else 0.0.
+    DAPO scores a wrong answer -1.0; here 0.0, the R in {0, 1} of every method."""
+    return float(answer_line.answer_line_correct(response, gold))
+
+
+def score(response, row):
+    """The reward of `response` to a dataset row: verify (last \\boxed{}, math-verify) or verify_answer_line (last
+    `Answer:` line, DAPO's rule), as the row's "answer_format" says (infra.data sets it; boxed when absent)."""
+    if row.get("answer_format", "boxed") == "answer-line":
+        return verify_answer_line(response, row["answer"])
+    return verify(response, row["answer"])
+
+
 # ----------------------------------------------------------------------------------------------
 # The rollout engine's contract: generate(prompts, n, max_tokens, temperature, top_p) -> list of Completion
 # (infra/engine.py: Hugging Face generate; infra/vllm_engine.py: vLLM).
@@ -170,14 +191,14 @@ def engine_logprobs(completions, width):
     return out
 
 
-def monte_carlo_values(generator, tokenizer, states, golds, continuations, max_tokens, temperature=1.0, top_p=1.0):
-    """V(s) for each state s = (prompt ids, response prefix ids) by Monte Carlo: the mean verify() reward of
-    `continuations` sampled completions of s, a response scoring 0 if it has not stopped within `max_tokens`
-    tokens in all (prefix included), as in training. Identical states are sampled once; one generate call.
-    Returns (values: np.ndarray [len(states)], generated tokens)."""
+def monte_carlo_values(generator, tokenizer, states, rows, continuations, max_tokens, temperature=1.0, top_p=1.0):
+    """V(s) for each state s = (prompt ids, response prefix ids) by Monte Carlo: the mean score() reward of
+    `continuations` sampled completions of s against its dataset row, a response scoring 0 if it has not stopped
+    within `max_tokens` tokens in all (prefix included), as in training. Identical states are sampled once; one
+    generate call. Returns (values: np.ndarray [len(states)], generated tokens)."""
     index = {}
-    for (prompt, prefix), gold in zip(states, golds):
-        index.setdefault((tuple(prompt), tuple(prefix)), (len(index), gold))
+    for (prompt, prefix), row in zip(states, rows):
+        index.setdefault((tuple(prompt), tuple(prefix)), (len(index), row))
     unique = list(index)
     if not unique:
         return np.zeros(0), 0
@@ -189,7 +210,7 @@ def monte_carlo_values(generator, tokenizer, states, golds, continuations, max_t
         prompt, prefix = unique[completion.prompt_index]
         if completion.finish_reason == "stop" and len(prefix) + len(completion.token_ids) <= max_tokens:
             text = tokenizer.decode(list(prefix) + list(completion.token_ids), skip_special_tokens=True)
-            totals[completion.prompt_index] += verify(text, index[prompt, prefix][1])
+            totals[completion.prompt_index] += score(text, index[prompt, prefix][1])
     values = totals / continuations
     return values[[index[tuple(prompt), tuple(prefix)][0] for prompt, prefix in states]], \
         sum(len(c.token_ids) for c in completions)

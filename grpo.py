@@ -1,7 +1,7 @@
 """GRPO: critic-free PPO with a group baseline (DeepSeekMath, arXiv 2402.03300), with the loss options of
 DAPO (clip-higher, token-mean) and Dr. GRPO (no std scaling, sum over max length).
 
-Per rollout: G samples per prompt; reward R = 1 if the last \\boxed{} answer matches the gold answer, else
+Per rollout: G samples per prompt; reward R = 1 if the final answer (common.score) matches the gold answer, else
 0 (a response cut off at the length limit scores 0); every token of sample i gets the advantage
 A_i = (R_i - mean of its group) / (std + eps); the policy takes PPO-clip steps on those advantages.
 
@@ -143,7 +143,7 @@ def main():
         completions = generator.generate(prompts, args.samples_per_prompt, args.max_response_tokens,
                                          args.temperature, args.top_p)
         # 2. Reward: 1 for a correct final answer, 0 otherwise and for a truncated response.
-        rewards = torch.tensor([common.verify(c.text, rows[c.prompt_index]["answer"])
+        rewards = torch.tensor([common.score(c.text, rows[c.prompt_index])
                                 if c.finish_reason == "stop" else 0.0 for c in completions])
         batch = common.sequence_batch([prompts[c.prompt_index] for c in completions],
                                       [c.token_ids for c in completions], tokenizer.pad_token_id).to(run.device)

@@ -1,8 +1,8 @@
 """PPO with a learned critic (Schulman et al. 2017), as SP3O's released `ppo` preset; verl's PPO: see the flags.
 A file of the ppo.py family (ppo, sp3o, tppo, sppo): `diff ppo.py <file>` shows what a method changes.
 
-Per rollout: G samples per prompt; reward R at the last response token (1 for a correct final \\boxed{}
-answer, else 0; a truncated response scores 0). A critic (a copy of the base model with a scalar head) reads
+Per rollout: G samples per prompt; reward R at the last response token (1 for a correct final answer
+by common.score, else 0; a truncated response scores 0). A critic (a copy of the base model with a scalar head) reads
 V(s_t) at the token before y_t; GAE(gamma, lambda) gives advantages, not whitened, and returns G_t = A_t + V_t.
 The first 20 rollouts train the critic alone; then the policy takes PPO-clip steps, the critic clipped-value-loss
 steps on every valid token, each loss a mean per sample, then over samples. gamma = lambda = 1: A_t = R - V(s_t).
@@ -185,7 +185,7 @@ def main():
         completions = generator.generate(prompts, args.samples_per_prompt, args.max_response_tokens,
                                          args.temperature, args.top_p)
         # 2. Reward: 1 for a correct final answer, 0 otherwise and for a truncated response.
-        rewards = torch.tensor([common.verify(c.text, rows[c.prompt_index]["answer"])
+        rewards = torch.tensor([common.score(c.text, rows[c.prompt_index])
                                 if c.finish_reason == "stop" else 0.0 for c in completions])
         batch = common.sequence_batch([prompts[c.prompt_index] for c in completions],
                                       [c.token_ids for c in completions], tokenizer.pad_token_id).to(run.device)

@@ -161,7 +161,7 @@ class Tree:
     rewards: list  # a leaf's reward (a truncated leaf scores 0); 0.0 for inner nodes and roots
 
 
-def grow_tree(generator, tokenizer, prompts, golds, depth, branching, segment_tokens, max_tokens, temperature, top_p):
+def grow_tree(generator, tokenizer, prompts, rows, depth, branching, segment_tokens, max_tokens, temperature, top_p):
     """Sample SPO-trees level by level: every open node gets `branching` children, each a segment of
     `segment_tokens` tokens; the last level (`depth`) runs to completion within max_tokens. A segment that
     stops is a leaf scored like a response; one that reaches max_tokens is a truncated leaf (reward 0).
@@ -184,7 +184,7 @@ def grow_tree(generator, tokenizer, prompts, golds, depth, branching, segment_to
             reward = 0.0
             if stopped:
                 text = tokenizer.decode(path + child.token_ids, skip_special_tokens=True)
-                reward = common.verify(text, golds[tree.prompt_index[parent]])
+                reward = common.score(text, rows[tree.prompt_index[parent]])
             elif level < depth - 1 and length < max_tokens:
                 next_frontier.append(len(tree.parents))
             tree.parents.append(parent)
@@ -299,16 +299,15 @@ def main():
         step_start = time.time()
         rows = run.training_rows(step)  # this rank's prompts
         prompts = [common.prompt_ids(tokenizer, row["question"]) for row in rows]
-        golds = [row["answer"] for row in rows]
         if args.mode == "chain":
             completions = generator.generate(prompts, args.samples_per_prompt, args.max_response_tokens,
                                              args.temperature, args.top_p)
             # 2. Reward: 1 for a correct final answer, 0 otherwise and for a truncated response.
-            rewards = torch.tensor([common.verify(c.text, golds[c.prompt_index])
+            rewards = torch.tensor([common.score(c.text, rows[c.prompt_index])
                                     if c.finish_reason == "stop" else 0.0 for c in completions])
             sample_prompts = [prompts[c.prompt_index] for c in completions]
         else:  # 2. the leaves are scored inside grow_tree; each edge with a nonzero advantage is a sample
-            tree = grow_tree(generator, tokenizer, prompts, golds, args.tree_depth, args.tree_branching,
+            tree = grow_tree(generator, tokenizer, prompts, rows, args.tree_depth, args.tree_branching,
                              args.tree_segment_tokens, args.max_response_tokens, args.temperature, args.top_p)
             node_advantages = edge_advantages(tree.parents, tree_values(tree.parents, tree.rewards))
             edges, inner = [n for n in range(len(tree.parents)) if tree.parents[n] >= 0], set(tree.parents)
@@ -341,7 +340,7 @@ def main():
             cut_rows = [(row, cut) for row in range(len(completions)) for cut in cuts[row]]
             estimates, mc_tokens = common.monte_carlo_values(  # one engine request (n = K) per distinct prefix
                 generator, tokenizer, [(sample_prompts[row], completions[row].token_ids[:cut + 1]) for row, cut in cut_rows],
-                [golds[completions[row].prompt_index] for row, _ in cut_rows], args.mc_samples,
+                [rows[completions[row].prompt_index] for row, _ in cut_rows], args.mc_samples,
                 args.max_response_tokens, args.temperature, args.top_p)
             estimates = iter(estimates.tolist())
             cut_values = [[next(estimates) for _ in row_cuts] for row_cuts in cuts]

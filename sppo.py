@@ -155,7 +155,7 @@ def main():
         completions = generator.generate(prompts, args.samples_per_prompt, args.max_response_tokens,
                                          args.temperature, args.top_p)
         # 2. Reward: 1 for a correct final answer, 0 otherwise and for a truncated response.
-        rewards = torch.tensor([common.verify(c.text, rows[c.prompt_index]["answer"])
+        rewards = torch.tensor([common.score(c.text, rows[c.prompt_index])
                                 if c.finish_reason == "stop" else 0.0 for c in completions])
         batch = common.sequence_batch([prompts[c.prompt_index] for c in completions],
                                       [c.token_ids for c in completions], tokenizer.pad_token_id).to(run.device)

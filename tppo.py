@@ -1,8 +1,8 @@
 """TPPO: PPO with a tracking-value critic (Wang et al., Oct 2026; code announced at LINs-lab/TPPO, not retrievable).
 A file of the ppo.py family (ppo, sp3o, tppo, sppo): `diff ppo.py <file>` shows what a method changes.
 
-Per rollout: G samples per prompt; reward R at the last response token (1 for a correct final \\boxed{}
-answer, else 0; a truncated response scores 0). A critic (a copy of the base model with a scalar head)
+Per rollout: G samples per prompt; reward R at the last response token (1 for a correct final answer, by
+common.score, else 0; a truncated response scores 0). A critic (a copy of the base model with a scalar head)
 reads a log-odds update per state: z_0 at s_0 (the last prompt token), delta_k at s_k (right after y_{k-1});
 V(s_t) = sigmoid(z_t), z_t = z_0 + delta_1 + ... + delta_t (successive prefix values are Bayesian updates,
 additive in log-odds). GAE(gamma, lambda) on these values gives advantages, whitened over the batch's valid
@@ -206,7 +206,7 @@ def main():
         completions = generator.generate(prompts, args.samples_per_prompt, args.max_response_tokens,
                                          args.temperature, args.top_p)
         # 2. Reward: 1 for a correct final answer, 0 otherwise and for a truncated response.
-        rewards = torch.tensor([common.verify(c.text, rows[c.prompt_index]["answer"])
+        rewards = torch.tensor([common.score(c.text, rows[c.prompt_index])
                                 if c.finish_reason == "stop" else 0.0 for c in completions])
         batch = common.sequence_batch([prompts[c.prompt_index] for c in completions],
                                       [c.token_ids for c in completions], tokenizer.pad_token_id).to(run.device)

@@ -3,11 +3,13 @@
     run.py         the command line (a base Args of run flags), the run folder, the step loop's logging,
                    evaluation schedule, checkpoints and Ctrl-C / SIGTERM
     dist.py        torchrun and FSDP2: ranks, collectives, sharding
-    data.py        datasets (files, hub ids, the built-in task) and the order of training rows
+    data.py        datasets (files in plain, verl or slime layout, hub ids, the built-in task), each row's answer
+                   format, and the order of training rows
     tiny.py        the built-in task and the built-in tiny model
     engine.py      the Hugging Face rollout engine, and the choice of engine
     vllm_engine.py the vLLM rollout engine (optional: vLLM is imported there only)
     verifier.py    the math-verify checker process behind common.verify
+    answer_line.py DAPO's answer-line reward (verl math_dapo) behind common.verify_answer_line
     evaluate.py    held-out evaluation (avg@n, pass@k) and rollout metrics
     probes.py      critic diagnostics against Monte Carlo values
     checkpoint.py  checkpoints (sharded and Hugging Face format) and exact resume

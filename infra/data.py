@@ -1,6 +1,11 @@
-"""Datasets: rows {"question", "answer"} from the built-in task, a .jsonl / .json / .parquet file or a hub dataset
-id, with `file:line` errors for bad rows; and the order in which training rows are drawn (a function of the step
-alone, so a resumed run sees the same data).
+"""Datasets: rows {"question", "answer", "answer_format"} from the built-in task, a .jsonl / .json / .parquet file
+or a hub dataset id, with `file:line` errors for bad rows; and the order in which training rows are drawn (a
+function of the step alone, so a resumed run sees the same data).
+
+Layouts read without flags: plain rows (`question`/`problem`/`prompt` and `answer`/`solution`/`ground_truth`),
+verl's (DAPO-Math-17k: `prompt` a list of chat messages, the gold in `reward_model.ground_truth`) and slime's
+(SP3O's launcher: `--input-key prompt --label-key label`: chat messages and `label`). Other layouts name their
+fields with dotted paths (question_field, answer_field).
 """
 import json
 import math
@@ -11,10 +16,12 @@ import sys
 import numpy as np
 
 from common import extract_answer
-from infra import UserError
+from infra import UserError, answer_line
 from infra.tiny import builtin_rows
 
-QUESTION_FIELDS, ANSWER_FIELDS = ("question", "problem", "prompt"), ("answer", "solution", "ground_truth")
+QUESTION_FIELDS = ("question", "problem", "prompt")
+ANSWER_FIELDS = ("answer", "solution", "ground_truth", "label", "reward_model.ground_truth")
+ANSWER_FORMATS = ("auto", "boxed", "answer-line")
 
 
 def gold_answer(value):
@@ -33,19 +40,80 @@ def gold_answer(value):
     return extract_answer(value) or value.strip()
 
 
-def row_to_example(row, where):
+_MISSING = object()
+
+
+def field(row, path):
+    """row["a"]["b"] for the dotted path `a.b`; a number indexes a list (`prompt.0.content`); _MISSING if absent."""
+    value = row
+    for key in path.split("."):
+        if isinstance(value, dict) and key in value:
+            value = value[key]
+        elif isinstance(value, list) and key.isdigit() and int(key) < len(value):
+            value = value[int(key)]
+        else:
+            return _MISSING
+    return value
+
+
+def chat_messages(value):
+    """`value` if it is a non-empty list of chat messages ({"role": str, "content": str}, not all empty), else None."""
+    if isinstance(value, list) and value and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                 and isinstance(m.get("content"), str) for m in value):
+        return value if any(m["content"].strip() for m in value) else None
+    return None
+
+
+def answer_format_of(question, answer_format="auto"):
+    """The row's answer format: `answer_format`, or with auto what the prompt asks for: an `Answer:` line
+    (DAPO's instruction, e.g. "... of the form Answer: $Answer") -> answer-line, else boxed."""
+    if answer_format != "auto":
+        return answer_format
+    text = question if isinstance(question, str) else "\n".join(m["content"] for m in question)
+    return "answer-line" if answer_line.ASKS_FOR_ANSWER_LINE.search(text) else "boxed"
+
+
+def row_to_example(row, where, question_field="", answer_field="", answer_format="auto"):
+    """{"question": a string or the row's chat messages, "answer": the gold, "answer_format": boxed or answer-line}.
+    A string question gets our \\boxed{} template (common.prompt_ids), except for answer-line rows: those are asked
+    DAPO's way, as one user message: the question as given when it carries its own instruction, else wrapped in
+    DAPO-Math-17k's template. Chat messages are always used as given."""
     if not isinstance(row, dict):
         raise UserError(f"{where}: expected a JSON object, got {type(row).__name__}")
     fields = f"the row has: {', '.join(map(str, list(row)[:8])) or 'no fields'}{' ...' if len(row) > 8 else ''}"
-    question = next((row[k] for k in QUESTION_FIELDS if isinstance(row.get(k), str) and row[k].strip()), None)
+    question = None
+    for path in [question_field] if question_field else QUESTION_FIELDS:
+        value = field(row, path)
+        if isinstance(value, str) and value.strip():
+            question = value
+        elif isinstance(value, list) or question_field and value is not _MISSING:  # there, but no question
+            question = chat_messages(value)
+            if question is None:
+                raise UserError(f"{where}: the question field {path!r} is neither a non-empty string nor a list of "
+                                f"chat messages with string role and content; it is {str(value)[:80]!r}")
+        if question is not None:
+            break
     if question is None:
-        raise UserError(f"{where}: no question field (one of {', '.join(QUESTION_FIELDS)}; {fields})")
-    answer_key = next((k for k in ANSWER_FIELDS if row.get(k) not in (None, "")), None)
-    answer = gold_answer(row.get(answer_key)) if answer_key else None
+        searched = f"{question_field!r} (--question-field)" if question_field else \
+            f"one of {', '.join(QUESTION_FIELDS)}"
+        raise UserError(f"{where}: no question field ({searched}; {fields})")
+    answer_paths = [answer_field] if answer_field else ANSWER_FIELDS
+    answer_path = next((p for p in answer_paths if field(row, p) not in (_MISSING, None, "", [])), None)
+    answer = field(row, answer_path) if answer_path else None
+    if isinstance(answer, list):  # slime's label may be a list: one answer per row here
+        if len(answer) > 1:
+            raise UserError(f"{where}: {answer_path!r} holds {len(answer)} answers; one answer per row is supported")
+        answer = answer[0]
+    answer = gold_answer(answer)
     if answer is None:
-        raise UserError(f"{where}: no answer field (one of {', '.join(ANSWER_FIELDS)}), or it is empty or not "
-                        f"a string or number ({fields})")
-    return {"question": question, "answer": answer}
+        searched = f"{answer_field!r} (--answer-field)" if answer_field else f"one of {', '.join(ANSWER_FIELDS)}"
+        raise UserError(f"{where}: no answer field ({searched}), or it is empty or not a string or number ({fields})")
+    answer_format = answer_format_of(question, answer_format)
+    if answer_format == "answer-line" and isinstance(question, str):
+        asked = answer_line.ASKS_FOR_ANSWER_LINE.search(question)
+        text = question if asked else answer_line.ANSWER_LINE_PREFIX + question + answer_line.ANSWER_LINE_SUFFIX
+        question = [{"role": "user", "content": text}]
+    return {"question": question, "answer": answer, "answer_format": answer_format}
 
 
 DATA_EXTENSIONS = (".jsonl", ".json", ".parquet")
@@ -119,12 +187,19 @@ def _read_file_rows(spec, flag):
     return rows
 
 
-def load_rows(spec, split="train", n_builtin=None, seed=0, skip_bad_rows=False, flag="--dataset"):
-    """Rows {"question", "answer"} from `builtin`, a .jsonl/.json/.parquet file, or a hub dataset id.
-    Raises UserError naming `file:line` for a bad row (or skips it with skip_bad_rows, reporting the count),
-    and for an unreadable or empty file."""
-    if spec == "builtin":
-        return builtin_rows(split, n_builtin or 4096, seed)
+def load_rows(spec, split="train", n_builtin=None, seed=0, skip_bad_rows=False, flag="--dataset", question_field="",
+              answer_field="", answer_format="auto"):
+    """Rows {"question", "answer", "answer_format"} (row_to_example) from `builtin`, a .jsonl/.json/.parquet file,
+    or a hub dataset id. Raises UserError naming `file:line` for a bad row (or skips it with skip_bad_rows,
+    reporting the count), and for an unreadable or empty file."""
+    if answer_format not in ANSWER_FORMATS:
+        raise UserError(f"--answer-format {answer_format!r}: use one of {', '.join(ANSWER_FORMATS)}")
+    if spec == "builtin":  # plain questions that carry no instruction: boxed unless answer-line is asked for
+        rows = builtin_rows(split, n_builtin or 4096, seed)
+        if answer_format != "answer-line":
+            return [dict(row, answer_format="boxed") for row in rows]
+        return [{**row, **row_to_example(row, f"builtin[{i}]", answer_format=answer_format)}
+                for i, row in enumerate(rows)]
     if os.path.exists(spec):
         raw = _read_file_rows(spec, flag)
     elif spec.endswith(DATA_EXTENSIONS) or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
@@ -141,7 +216,7 @@ def load_rows(spec, split="train", n_builtin=None, seed=0, skip_bad_rows=False, 
         try:
             if isinstance(row, UserError):
                 raise row
-            rows.append(row_to_example(row, where))
+            rows.append(row_to_example(row, where, question_field, answer_field, answer_format))
         except UserError as error:
             if not skip_bad_rows:
                 raise
@@ -158,7 +233,8 @@ def load_rows(spec, split="train", n_builtin=None, seed=0, skip_bad_rows=False, 
 def load_eval_sets(specs, limit=0, skip_bad_rows=False):
     """{name: rows} for eval datasets given as a comma-separated string or a list/tuple of specs (`builtin` =
     the task's held-out split); a file `math500/test.jsonl` is named `math500`, a repeated name gets `_2`, `_3`.
-    `limit` > 0 keeps the first `limit` rows of each."""
+    `limit` > 0 keeps the first `limit` rows of each. Each set keeps its own answer format (auto: what its
+    prompts ask for), whatever the training set's."""
     sets = {}
     specs = [specs] if isinstance(specs, str) else specs
     for spec in [s.strip() for item in specs for s in item.split(",") if s.strip()]:
@@ -173,6 +249,15 @@ def load_eval_sets(specs, limit=0, skip_bad_rows=False):
     if not sets:
         raise UserError("--eval-datasets is empty: give at least one file, hub id or `builtin`")
     return sets
+
+
+def describe(name, rows):
+    """`name: N rows, prompts: ..., reward: ...` (counts of each kind when they are mixed)."""
+    def counts(values):
+        tally = {value: values.count(value) for value in dict.fromkeys(values)}
+        return " + ".join(f"{value} ({n})" if len(tally) > 1 else value for value, n in tally.items())
+    prompts = counts(["chat messages" if isinstance(r["question"], list) else "questions" for r in rows])
+    return f"{name}: {len(rows)} rows, prompts: {prompts}, reward: {counts([r['answer_format'] for r in rows])}"
 
 
 def step_rows(rows, step, count, seed):

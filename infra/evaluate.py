@@ -6,7 +6,7 @@ import math
 import numpy as np
 import torch
 
-from common import engine_logprobs, prompt_ids, verify
+from common import engine_logprobs, prompt_ids, score
 from infra import dist, verifier
 
 
@@ -59,8 +59,9 @@ def pass_at_k(n, c, k):
 
 def evaluate(generator, tokenizer, eval_sets, n=1, max_tokens=256, temperature=0.0, top_p=1.0, seed=0):
     """{eval/<name>/avg@n, eval/<name>/pass@k for k = 1, 2, 4 .. n (n > 1), eval/<name>/truncated and
-    eval/<name>/repetition} for each named list of rows; a response cut off at max_tokens scores 0, as in
-    training. eval/accuracy is avg@n on the first set. Samples under its own seed: training randomness is untouched."""
+    eval/<name>/repetition} for each named list of rows, scored in each row's answer format (common.score); a
+    response cut off at max_tokens scores 0, as in training. eval/accuracy is avg@n on the first set. Samples
+    under its own seed: training randomness is untouched."""
     metrics = {}
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
         torch.manual_seed(seed)
@@ -71,7 +72,7 @@ def evaluate(generator, tokenizer, eval_sets, n=1, max_tokens=256, temperature=0
             correct = np.zeros(len(rows), dtype=int)
             for completion in completions:
                 if completion.finish_reason == "stop":
-                    correct[completion.prompt_index] += verify(completion.text, rows[completion.prompt_index]["answer"])
+                    correct[completion.prompt_index] += score(completion.text, rows[completion.prompt_index])
             shares = dist.gather_objects((correct.tolist(), sum(c.finish_reason == "length" for c in completions),
                                           sum(ends_in_loop(response_tokens(c)) for c in completions)))
             correct = np.array([c for share in shares for c in share[0]])

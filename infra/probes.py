@@ -106,8 +106,8 @@ def probe_critic(generator, tokenizer, rows, value_fn, args, critic=None, device
             generated = sum(len(response) for response in responses)
         cuts = [[0] if prompt_only else probe_cuts(len(response), ratios) for response in responses]
         states = [(prompts[i], responses[i][:cut]) for i, row_cuts in enumerate(cuts) for cut in row_cuts]
-        golds = [rows[i]["answer"] for i, row_cuts in enumerate(cuts) for _ in row_cuts]
-        mc_values, mc_tokens = monte_carlo_values(generator, tokenizer, states, golds, continuations, max_tokens,
+        state_rows = [rows[i] for i, row_cuts in enumerate(cuts) for _ in row_cuts]
+        mc_values, mc_tokens = monte_carlo_values(generator, tokenizer, states, state_rows, continuations, max_tokens,
                                                   temperature, top_p)
     batch = sequence_batch(prompts, responses, tokenizer.pad_token_id).to(device)
     values = batched(value_fn, batch, args.micro_batch_size).cpu().numpy()

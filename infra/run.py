@@ -31,6 +31,13 @@ class RunArgs:
     """Flags of every trainer: what to train and evaluate on, where the run goes, how it runs."""
     model: str = "tiny"  # policy: `tiny` (built-in CPU demo), a hub name (Qwen3-4B-Base) or a local path
     dataset: str = "builtin"  # training problems: `builtin`, a .jsonl/.json/.parquet file or a hub dataset id
+    # dotted path of --dataset's prompt, e.g. extra_info.question (empty: question, problem or prompt)
+    question_field: str = ""
+    # dotted path of --dataset's gold answer (empty: answer, solution, ground_truth, label or reward_model.ground_truth)
+    answer_field: str = ""
+    # --dataset's reward: the last \boxed{} (math-verify) or the last `Answer:` line (DAPO's rule); auto: what each
+    # prompt asks for. Evaluation sets always take auto.
+    answer_format: Literal["auto", "boxed", "answer-line"] = "auto"
     eval_datasets: tuple[str, ...] = ("builtin",)  # held-out sets: .jsonl/.json/.parquet files, hub ids or `builtin`
     eval_only: bool = False  # evaluate --model (a hub model or a checkpoint's policy/ directory) and exit
     steps: int = 500  # rollout iterations
@@ -253,8 +260,12 @@ class Run:
         self.dir = run_directory(args, trainer_file)  # a clash with an existing run fails before any model loads
         self.resume_path = find_checkpoint(args.resume) if args.resume else None  # and so does a bad --resume path
         self.train_rows = data.load_rows(args.dataset, "train", n_builtin=65536, seed=args.seed,
-                                         skip_bad_rows=args.skip_bad_rows)
+                                         skip_bad_rows=args.skip_bad_rows, question_field=args.question_field,
+                                         answer_field=args.answer_field, answer_format=args.answer_format)
         self.eval_sets = data.load_eval_sets(args.eval_datasets, args.eval_problems, args.skip_bad_rows)
+        if dist.rank() == 0:  # what auto decided, before any model loads
+            print(data.describe(args.dataset, self.train_rows), *(data.describe(name, rows) for name, rows in
+                                                                    self.eval_sets.items()), sep="\n")
         self.probe_rows = next(iter(self.eval_sets.values()))  # held-out prompts of the critic probes
         self.skipped_in_a_row, self.stopping, self.first_eval, self.last = 0, False, {}, (0, {})
         self.trainer, self.started = os.path.basename(trainer_file), time.time()

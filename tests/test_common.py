@@ -142,22 +142,25 @@ def test_load_rows_jsonl_gsm8k_and_math(tmp_path):
         {"prompt": "AMC style", "answer": 27.0},
     ])
     rows = infra.data.load_rows(path)
-    assert rows == [{"question": "How many?", "answer": "7"}, {"question": "What is half?", "answer": "\\frac{1}{2}"},
-                    {"question": "AMC style", "answer": "27"}]
+    assert rows == [{"question": "How many?", "answer": "7", "answer_format": "boxed"},
+                    {"question": "What is half?", "answer": "\\frac{1}{2}", "answer_format": "boxed"},
+                    {"question": "AMC style", "answer": "27", "answer_format": "boxed"}]
 
 
 def test_empty_answer_field_falls_back_to_the_solution(tmp_path):
     # row_to_example prefers `answer` only when it is non-empty, so an empty one should fall back to `solution`
     path = write_jsonl(tmp_path / "empty_answer.jsonl",
                        [{"question": "Empty answer, gold in the solution", "answer": "", "solution": "so \\boxed{5}"}])
-    assert infra.data.load_rows(path) == [{"question": "Empty answer, gold in the solution", "answer": "5"}]
+    assert infra.data.load_rows(path) == [{"question": "Empty answer, gold in the solution", "answer": "5",
+                                           "answer_format": "boxed"}]
 
 
 def test_load_rows_json_list_and_parquet(tmp_path):
     rows = [{"problem": "p1", "answer": "\\frac{1}{2}"}, {"problem": "p2", "answer": "#### 12"}]
     json_path = tmp_path / "set.json"
     json_path.write_text(json.dumps(rows, indent=1))
-    expected = [{"question": "p1", "answer": "\\frac{1}{2}"}, {"question": "p2", "answer": "12"}]
+    expected = [{"question": "p1", "answer": "\\frac{1}{2}", "answer_format": "boxed"},
+                {"question": "p2", "answer": "12", "answer_format": "boxed"}]
     assert infra.data.load_rows(str(json_path)) == expected
     import pyarrow
     import pyarrow.parquet
@@ -166,12 +169,12 @@ def test_load_rows_json_list_and_parquet(tmp_path):
     assert infra.data.load_rows(parquet_path) == expected
     numeric = str(tmp_path / "numeric.parquet")
     pyarrow.parquet.write_table(pyarrow.Table.from_pylist([{"question": "q", "answer": 36.0}]), numeric)
-    assert infra.data.load_rows(numeric) == [{"question": "q", "answer": "36"}]
+    assert infra.data.load_rows(numeric) == [{"question": "q", "answer": "36", "answer_format": "boxed"}]
 
 
 def test_load_rows_builtin():
     rows = infra.data.load_rows("builtin", "train", n_builtin=10, seed=3)
-    assert rows == infra.tiny.builtin_rows("train", 10, 3) and len(rows) == 10
+    assert rows == [{**row, "answer_format": "boxed"} for row in infra.tiny.builtin_rows("train", 10, 3)]
 
 
 def test_bad_rows_name_file_and_line(tmp_path):
@@ -182,7 +185,8 @@ def test_bad_rows_name_file_and_line(tmp_path):
         infra.data.load_rows(path)
     message = str(error.value)
     assert f"{path}:3" in message and "answer" in message and "\n" not in message
-    assert infra.data.load_rows(path, skip_bad_rows=True) == [{"question": "q1", "answer": "1"}]
+    assert infra.data.load_rows(path, skip_bad_rows=True) == [{"question": "q1", "answer": "1",
+                                                               "answer_format": "boxed"}]
 
     broken = write_jsonl(tmp_path / "broken.jsonl", [{"question": "q1", "answer": "1"}, "{not json"])
     with pytest.raises(infra.UserError, match=f"{broken}:2: invalid JSON"):

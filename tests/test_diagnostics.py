@@ -162,14 +162,14 @@ def test_monte_carlo_values_recover_known_success_probabilities(tokenizer):
     probability = {"": 0.25, "good ": 0.75}
     generator = BernoulliGenerator(tokenizer, lambda prefix: probability[prefix])
     K = 400
-    states, golds, expected = [], [], []
+    states, state_rows, expected = [], [], []
     for row in rows:
         prompt = common.prompt_ids(tokenizer, row["question"])
         for prefix in ("", "good ", ""):  # a repeated state is sampled once
             states.append((prompt, ids(tokenizer, prefix)))
-            golds.append(row["answer"])
+            state_rows.append(row)
             expected.append(probability[prefix])
-    values, generated = common.monte_carlo_values(generator, tokenizer, states, golds, K, max_tokens=48)
+    values, generated = common.monte_carlo_values(generator, tokenizer, states, state_rows, K, max_tokens=48)
     assert generator.calls == [(6, K, 48)]  # one call, 3 prompts x 2 distinct prefixes
     assert generated == generator.generated
     standard_errors = np.sqrt(np.array(expected) * (1 - np.array(expected)) / K)  # 0.0217 for p = 0.25 or 0.75
@@ -185,9 +185,9 @@ def test_monte_carlo_values_score_truncated_continuations_zero(tokenizer):
     states = [(prompt, []), (prompt, ids(tokenizer, "cut ")), (prompt, ids(tokenizer, "x" * 9))]
     # continuation `\boxed{300}` + EOS = 12 tokens: 0 + 12 <= 20 counts; `cut ` stops at the length limit;
     # 9 + 12 = 21 > 20 tokens in all: past the length limit, so 0 although it stopped
-    values, _ = common.monte_carlo_values(always, tokenizer, states, [row["answer"]] * 3, 5, max_tokens=20)
+    values, _ = common.monte_carlo_values(always, tokenizer, states, [row] * 3, 5, max_tokens=20)
     assert values.tolist() == [1.0, 0.0, 0.0]
-    values, _ = common.monte_carlo_values(always, tokenizer, states[2:], [row["answer"]], 5, max_tokens=21)
+    values, _ = common.monte_carlo_values(always, tokenizer, states[2:], [row], 5, max_tokens=21)
     assert values.tolist() == [1.0]
 
 
@@ -203,7 +203,8 @@ def test_monte_carlo_values_with_the_tiny_model(tokenizer):
     assert right.endswith("{843}") and wrong.endswith("{733}")
     torch.manual_seed(0)
     values, generated = common.monte_carlo_values(generator, tokenizer, [(prompt, ids(tokenizer, right)),
-                                                  (prompt, ids(tokenizer, wrong))], ["843"] * 2, 16, max_tokens=48)
+                                                  (prompt, ids(tokenizer, wrong))], [{"answer": "843"}] * 2, 16,
+                                                  max_tokens=48)
     assert values[0] >= 0.8 and values[1] <= 0.2, values
     assert generated >= 32  # at least the EOS of each of the 2 x 16 continuations
 

@@ -62,7 +62,8 @@ def test_skip_bad_rows_reports_the_count(tmp_path, capsys):
     path = write(tmp_path / "train.jsonl", '{"question": "1+1", "answer": "2"}\n{"question": "2+2", "answer": \n'
                                            '{"question": "3+3"}\n{"problem": "p", "solution": "so \\\\boxed{4}"}\n')
     rows = infra.data.load_rows(path, skip_bad_rows=True)
-    assert rows == [{"question": "1+1", "answer": "2"}, {"question": "p", "answer": "4"}]
+    assert rows == [{"question": "1+1", "answer": "2", "answer_format": "boxed"},
+                    {"question": "p", "answer": "4", "answer_format": "boxed"}]
     report = capsys.readouterr().err
     assert f"skipped 2 bad rows of 4 in {path}" in report and f"{path}:2: invalid JSON" in report
 
@@ -70,7 +71,8 @@ def test_skip_bad_rows_reports_the_count(tmp_path, capsys):
 def test_json_array_rows_are_located_by_line(tmp_path):
     path = write(tmp_path / "train.json", '[\n  {"question": "a", "answer": 1},\n\n  {"question": "b"},\n  5\n]\n')
     assert load_error(path).startswith(f"{path}:4: no answer field")
-    assert infra.data.load_rows(path, skip_bad_rows=True) == [{"question": "a", "answer": "1"}]
+    assert infra.data.load_rows(path, skip_bad_rows=True) == [{"question": "a", "answer": "1",
+                                                               "answer_format": "boxed"}]
     broken = write(tmp_path / "broken.json", '[\n  {"question": "a", "answer": 1},\n  {"question": }\n]\n')
     assert load_error(broken, skip_bad_rows=True).startswith(f"{broken}:3: invalid JSON")  # the file is unusable
 
@@ -82,8 +84,9 @@ def test_parquet_rows(tmp_path):
     table = pyarrow.table({"problem": ["1+1", "2+2", "3+3"], "answer": ["2", None, "6"]})
     pyarrow.parquet.write_table(table, path)
     assert load_error(path).startswith(f"{path}:row 2: no answer field")
-    assert infra.data.load_rows(path, skip_bad_rows=True) == [{"question": "1+1", "answer": "2"},
-                                                         {"question": "3+3", "answer": "6"}]
+    expected = [{"question": "1+1", "answer": "2", "answer_format": "boxed"},
+                {"question": "3+3", "answer": "6", "answer_format": "boxed"}]
+    assert infra.data.load_rows(path, skip_bad_rows=True) == expected
     not_parquet = write(tmp_path / "fake.parquet", "hello")
     assert "not a readable parquet file" in load_error(not_parquet)
 

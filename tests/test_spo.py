@@ -219,7 +219,8 @@ def test_monte_carlo_values_dedupes_and_scores():
     generator = ScriptedGenerator(["\\boxed{7}", "\\boxed{8}", "z" * 40 + "*"])
     prompt = encode("Q")
     states = [(prompt, encode("ab")), (prompt, encode("ab")), (prompt, encode("abcdefgh"))]
-    values, tokens = common.monte_carlo_values(generator, CharTokenizer(), states, ["7"] * 3, 3, 16, 0.6, 1.0)
+    values, tokens = common.monte_carlo_values(generator, CharTokenizer(), states, [{"answer": "7"}] * 3, 3, 16, 0.6,
+                                               1.0)
     # one engine call, one request per unique prefix (2), n = K, the largest budget 16 - 2 = 14
     assert len(generator.calls) == 1
     assert generator.calls[0][0] == [prompt + encode("ab"), prompt + encode("abcdefgh")]
@@ -236,7 +237,7 @@ def test_grow_tree_on_a_scripted_engine():
     # depth 2, segments of 12, max 40: level 1 = [leaf 1 (reward 1), open node 2 ("z" * 12)];
     # level 2 (runs to completion, budget 28) under node 2: leaf 3 = "zzz...\boxed{7}" (reward 1), leaf 4 truncated (0).
     generator = ScriptedGenerator(["\\boxed{7}", "z" * 100 + "*"])
-    tree = spo.grow_tree(generator, CharTokenizer(), [encode("Q")], ["7"], depth=2, branching=2,
+    tree = spo.grow_tree(generator, CharTokenizer(), [encode("Q")], [{"answer": "7"}], depth=2, branching=2,
                          segment_tokens=12, max_tokens=40, temperature=0.6, top_p=1.0)
     assert tree.parents == [-1, 0, 0, 2, 2]
     assert tree.rewards == [0.0, 1.0, 0.0, 1.0, 0.0]
@@ -247,7 +248,7 @@ def test_grow_tree_on_a_scripted_engine():
     assert spo.edge_advantages(tree.parents, values) == pytest.approx([0, 0.25, -0.25, 0.5, -0.5])
     # with max_tokens 12 the open node has no budget left: it is a truncated leaf, the tree stops at level 1
     generator = ScriptedGenerator(["\\boxed{7}", "z" * 100 + "*"])
-    tree = spo.grow_tree(generator, CharTokenizer(), [encode("Q")], ["7"], 2, 2, 12, 12, 0.6, 1.0)
+    tree = spo.grow_tree(generator, CharTokenizer(), [encode("Q")], [{"answer": "7"}], 2, 2, 12, 12, 0.6, 1.0)
     assert tree.parents == [-1, 0, 0] and tree.rewards == [0.0, 1.0, 0.0] and len(generator.calls) == 1
 
 
