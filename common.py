@@ -103,7 +103,7 @@ def prompt_ids(tokenizer, question):
 # killed at a deadline (infra/verifier.py; not signal.alarm, which breaks outside the main thread).
 # ----------------------------------------------------------------------------------------------
 MAX_ANSWER_CHARS = 1000
-VERIFY_TIMEOUT_S = 1.5  # wall-clock budget per response (the kill and re-fork add ~0.05 s); a timeout scores 0
+VERIFY_TIMEOUT_S = 1.5  # wall-clock budget per response (past it: a kill and a swap to a spare checker); scores 0
 
 
 def extract_answer(text):
