@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from infra import UserError, dist, verifier
+from infra.hub import check_model_source
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -52,15 +53,16 @@ def load_model(name_or_path, dtype="auto", device=None, trust_remote_code=False,
     path, device = resolve_model_name(name_or_path), device or dist.default_device()
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    tokenizer = load_tokenizer(path, trust_remote_code)
+    check_model_source(name_or_path)  # a missing model fails in one line, in seconds (offline too)
     kwargs = dict(dtype=torch.float32, trust_remote_code=trust_remote_code)
     try:
+        tokenizer = load_tokenizer(path, trust_remote_code)
         if value_head:
             model = AutoModelForTokenClassification.from_pretrained(path, num_labels=int(value_head), **kwargs)
         else:
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    except OSError as error:
-        raise UserError(f"cannot load model {name_or_path!r} from {path!r}: {str(error).splitlines()[0]}")
+    except (OSError, ValueError) as error:  # missing files, unknown architecture, a bad config
+        raise UserError(f"cannot load model {name_or_path!r} from {path!r}: {str(error).splitlines()[0]}") from None
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))
     model.config.pad_token_id = tokenizer.pad_token_id
