@@ -39,8 +39,21 @@ def _score(gold, answer):
     return float(verify(parse(f"\\boxed{{{gold}}}", config), parse(f"\\boxed{{{answer}}}", config)))
 
 
-def _checker(channel):
+def _die_with_parent():
+    """Linux: SIGKILL this process when its parent exits (PR_SET_PDEATHSIG), so that a checker stuck in sympy never
+    outlives the zygote, which exits when the trainer is gone."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux
+        pass
+
+
+def _checker(channel, zygote_pid):
     """A forked checker: answers (gold, answer) -> 0.0/1.0 until the trainer closes its end (EOFError)."""
+    _die_with_parent()
+    if os.getppid() != zygote_pid:  # the zygote exited before the line above
+        return
     for gold, answer in WARM_UP[:1]:
         _score(gold, answer)  # touch the zygote's pages once now (copy-on-write), not in a timed check
     while True:
@@ -67,6 +80,7 @@ def zygote(control_fd, stderr_fd):
         os.dup2(stderr_fd, 2)
         os.close(stderr_fd)
     control.sendall(b"ready")
+    zygote_pid = os.getpid()
     while _next_request(control):
         ours, theirs = socket.socketpair()
         pid = os.fork()
@@ -74,7 +88,7 @@ def zygote(control_fd, stderr_fd):
             try:
                 control.close()
                 ours.close()
-                _checker(multiprocessing.connection.Connection(theirs.detach()))
+                _checker(multiprocessing.connection.Connection(theirs.detach()), zygote_pid)
             finally:
                 os._exit(0)  # never run the zygote's loop in a checker
         theirs.close()
@@ -100,6 +114,7 @@ class _Verifier:
         self.checkers = collections.deque()  # (pid, connection): the one in use first, then the spares
         self.pending = 0  # forks asked of the zygote and not yet received
         self.start_s = None  # how long the last start took
+        self.owner = None  # the pid of the process that started them
 
     def alive(self):
         return self.process is not None and self.process.poll() is None
@@ -109,6 +124,7 @@ class _Verifier:
         Raises RuntimeError saying what happened when it cannot start."""
         begin = time.monotonic()
         self.close()
+        self.owner = os.getpid()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             caller_stderr = os.dup(sys.__stderr__.fileno())
@@ -151,6 +167,8 @@ class _Verifier:
 
     def close(self):
         """Stop the zygote and its checkers (they exit when their socket closes)."""
+        if self.owner != os.getpid():  # not ours to stop
+            return self._forget()
         for _, connection in self.checkers:
             connection.close()
         self.checkers.clear()
@@ -159,6 +177,16 @@ class _Verifier:
         if self.process is not None:
             self.process.kill()
             self.process.wait()
+        self.process = self.control = None
+        self.pending = 0
+
+    def _forget(self):
+        """Drop this process's copies of another process's zygote and checkers, leaving them to it."""
+        for _, connection in self.checkers:
+            connection.close()
+        self.checkers.clear()
+        if self.control is not None:
+            self.control.close()
         self.process = self.control = None
         self.pending = 0
 
@@ -180,6 +208,8 @@ class _Verifier:
     def check(self, gold, answer, deadline):
         """1.0 / 0.0, or 0.0 and a counted timeout past `deadline` (time.monotonic()). A (re)start of the zygote
         is not charged to the answer's deadline; a kill and re-fork never is (a spare takes over at once)."""
+        if self.owner != os.getpid():  # a fork of the process that started them: it starts its own
+            self._forget()
         try:
             while self.pending and self._receive_fork(block=not self.checkers):
                 pass

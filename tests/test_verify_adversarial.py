@@ -161,6 +161,45 @@ def test_a_checker_that_cannot_start_says_why(tmp_path):
     assert message.endswith("ImportError: this math_verify is broken on purpose (pip install math-verify)"), message
 
 
+ORPHAN = """
+import os, signal, common, infra.verifier
+checker = infra.verifier.CHECKER
+checker.start()
+for pid, connection in checker.checkers:
+    connection.send(("1", "9^{9^{9^{9^{9}}}}"))
+    os.kill(pid, signal.SIGSTOP)  # stuck where no timer of math-verify's and no end of file can reach it
+print(checker.process.pid, *[pid for pid, _ in checker.checkers], flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # the trainer dies without closing anything
+"""
+
+
+def test_no_checker_outlives_a_killed_trainer(tmp_path):
+    """The zygote exits when the trainer is gone, and its checkers with it, even stuck ones (PR_SET_PDEATHSIG)."""
+    result = run_script(tmp_path, ORPHAN, timeout=120)  # a checker left alive holds its stderr: a timeout here
+    pids = [int(pid) for pid in result.stdout.split()]
+    assert result.returncode == -signal.SIGKILL and len(pids) == 2 + infra.verifier.SPARES, result.stderr[-3000:]
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
+
+
+def test_a_forked_caller_starts_its_own_checker(warm_pool):
+    """A process forked from one whose checker runs (a fork-based worker pool) gets its own zygote, and leaves the
+    parent's checkers alone."""
+    assert common.verify("\\boxed{x+1}", "1+x") == 1.0
+    pids = [warm_pool.process.pid, *live_checkers(warm_pool)]
+    child, ok = os.fork(), False
+    if child == 0:
+        try:
+            ok = common.verify("\\boxed{2x}", "x+x") == 1.0 and warm_pool.process.pid not in pids
+        finally:
+            os._exit(0 if ok else 1)
+    assert os.waitpid(child, 0)[1] == 0
+    assert common.verify("\\boxed{x+2}", "2+x") == 1.0
+    assert [warm_pool.process.pid, *live_checkers(warm_pool)] == pids
+
+
 def test_hostile_in_a_row_then_correct(warm_pool):
     """Each hostile response costs one timeout and one killed checker; the answer right after still gets a warm
     checker within its own budget (no false 0 from a checker still starting up)."""
