@@ -291,6 +291,10 @@ def run_directory(args, trainer_file):
     steps = _checkpoint_steps(os.path.join(path, "checkpoints"))
     metrics = os.path.join(path, "metrics.jsonl")
     if steps or os.path.exists(metrics) and os.path.getsize(metrics):
+        planned = saved_settings(path).get("steps", 0) if os.path.exists(os.path.join(path, "config.json")) else 0
+        if steps and steps[-1] >= planned:
+            raise UserError(f"{path} already holds a finished run ({steps[-1]} steps): to train it further: "
+                            f"{command('--resume', path, '--steps', 2 * steps[-1])}; or pass another --run-name")
         held = f"checkpoint step_{steps[-1]:06d}" if steps else "logged steps, no checkpoint yet"
         raise UserError(f"{path} already holds a run ({held}): continue it with: {command('--resume', path)}; "
                         "or pass another --run-name")

@@ -120,7 +120,7 @@ class _Verifier:
         return self.process is not None and self.process.poll() is None
 
     def start(self):
-        """(Re)start the zygote and fork the checkers: once per process (about 5-15 s), or after the zygote died.
+        """(Re)start the zygote and fork the checkers: once per process (about 1-15 s), or after the zygote died.
         Raises RuntimeError saying what happened when it cannot start."""
         begin = time.monotonic()
         self.close()
@@ -196,7 +196,9 @@ class _Verifier:
 
     def _receive_fork(self, block):
         """Take one forked checker from the zygote (waiting for it if `block`); False if none was there."""
-        if not block and not select.select([self.control], [], [], 0)[0]:
+        if not select.select([self.control], [], [], START_TIMEOUT_S if block else 0)[0]:
+            if block:  # a zygote that stopped answering is restarted
+                raise EOFError("the math-verify zygote sent no checker")
             return False
         message, descriptors, _, _ = socket.recv_fds(self.control, 8, 1)
         if not message or not descriptors:  # the zygote is gone
@@ -206,8 +208,10 @@ class _Verifier:
         return True
 
     def check(self, gold, answer, deadline):
-        """1.0 / 0.0, or 0.0 and a counted timeout past `deadline` (time.monotonic()). A (re)start of the zygote
-        is not charged to the answer's deadline; a kill and re-fork never is (a spare takes over at once)."""
+        """1.0 / 0.0, or 0.0 and a counted timeout past `deadline` (time.monotonic()). Getting a checker is not
+        charged to the answer's deadline: a spare is there at once after a kill, and the one-time start (or a restart
+        after the zygote died) is added to the deadline, as is a wait for a fork in the rare case there is no spare."""
+        begin = time.monotonic()
         if self.owner != os.getpid():  # a fork of the process that started them: it starts its own
             self._forget()
         try:
@@ -216,9 +220,8 @@ class _Verifier:
         except (EOFError, OSError):
             pass
         if not self.alive() or not self.checkers:
-            begin = time.monotonic()
             self.start()
-            deadline += time.monotonic() - begin
+        deadline += time.monotonic() - begin
         pid, connection = self.checkers[0]
         try:
             connection.send((gold, answer))

@@ -486,6 +486,9 @@ def test_resume_takes_the_saved_settings_and_records_changes(monkeypatch, capsys
     code, out, err = main_of(monkeypatch, capsys, "--resume", run_dir)  # 3 steps now: finished
     assert code == 0 and err.strip() == (f"{run_dir} is finished: 3 of 3 steps done. To train it further: "
                                          f"python grpo.py --resume {run_dir} --steps 6")
+    again = refusal(monkeypatch, capsys, "grpo", *SMALL, "--run-name", "run", "--output-dir", tmp_path)
+    assert again.endswith(f"{run_dir} already holds a finished run (3 steps): to train it further: python grpo.py "
+                          f"--resume {run_dir} --steps 6; or pass another --run-name")
     line = refusal(monkeypatch, capsys, "grpo", "--resume", run_dir, "--steps", 4, "--eval-problems", 8, "--lr", 0.1)
     assert "a resumed run keeps its saved settings, and --eval-problems 8 (saved: 4), --lr 0.1 (saved: 0.0001) " \
            "would change them" in line
