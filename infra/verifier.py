@@ -49,11 +49,8 @@ def _die_with_parent():
         pass
 
 
-def _checker(channel, zygote_pid):
+def _checker(channel):
     """A forked checker: answers (gold, answer) -> 0.0/1.0 until the trainer closes its end (EOFError)."""
-    _die_with_parent()
-    if os.getppid() != zygote_pid:  # the zygote exited before the line above
-        return
     for gold, answer in WARM_UP[:1]:
         _score(gold, answer)  # touch the zygote's pages once now (copy-on-write), not in a timed check
     while True:
@@ -86,9 +83,12 @@ def zygote(control_fd, stderr_fd):
         pid = os.fork()
         if pid == 0:
             try:
+                _die_with_parent()
+                if os.getppid() != zygote_pid:  # the zygote exited before the line above
+                    os._exit(0)
                 control.close()
                 ours.close()
-                _checker(multiprocessing.connection.Connection(theirs.detach()), zygote_pid)
+                _checker(multiprocessing.connection.Connection(theirs.detach()))
             finally:
                 os._exit(0)  # never run the zygote's loop in a checker
         theirs.close()

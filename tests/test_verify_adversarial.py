@@ -166,6 +166,8 @@ import os, signal, common, infra.verifier
 checker = infra.verifier.CHECKER
 checker.start()
 for pid, connection in checker.checkers:
+    connection.send(("1", "1"))
+    connection.recv()  # it is set up and answering
     connection.send(("1", "9^{9^{9^{9^{9}}}}"))
     os.kill(pid, signal.SIGSTOP)  # stuck where no timer of math-verify's and no end of file can reach it
 print(checker.process.pid, *[pid for pid, _ in checker.checkers], flush=True)
