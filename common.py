@@ -62,7 +62,9 @@ def load_model(name_or_path, dtype="auto", device=None, trust_remote_code=False,
         else:
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as error:  # missing files, unknown architecture, a bad config
-        raise UserError(f"cannot load model {name_or_path!r} from {path!r}: {str(error).splitlines()[0]}") from None
+        reason = " ".join(str(error).split())  # transformers' messages run over several lines
+        raise UserError(f"cannot load model {name_or_path!r} from {path!r}: "
+                        f"{reason if len(reason) <= 300 else reason[:300] + '...'}") from None
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))
     model.config.pad_token_id = tokenizer.pad_token_id

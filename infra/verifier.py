@@ -5,6 +5,7 @@ its checker (stuck in sympy, where no signal or thread can stop it) and swaps to
 time, so nothing after the deadline waits for a fork. Model text is parsed as LaTeX, never evaluated.
 """
 import collections
+import contextlib
 import multiprocessing.connection
 import os
 import select
@@ -76,7 +77,10 @@ def zygote(control_fd, stderr_fd):
         os.dup2(stderr_fd, 1)
         os.dup2(stderr_fd, 2)
         os.close(stderr_fd)
-    control.sendall(b"ready")
+    try:
+        control.sendall(b"ready")
+    except OSError:  # the trainer is gone already
+        return
     zygote_pid = os.getpid()
     while _next_request(control):
         ours, theirs = socket.socketpair()
@@ -136,7 +140,8 @@ class _Verifier:
         try:
             self.process = subprocess.Popen(command, cwd=REPO, env=environment, stdin=subprocess.DEVNULL,
                                             stdout=log, stderr=log, pass_fds=[theirs.fileno()]
-                                            + ([caller_stderr] if caller_stderr >= 0 else []))
+                                            + ([caller_stderr] if caller_stderr >= 0 else []),
+                                            start_new_session=True)  # a terminal's Ctrl-C goes to the trainer only
         except OSError as error:
             raise RuntimeError(f"cannot start the math-verify checker ({' '.join(command[:3])}): {error}") from None
         finally:
@@ -227,17 +232,26 @@ class _Verifier:
             connection.send((gold, answer))
             if connection.poll(max(0.0, deadline - time.monotonic())):
                 return float(connection.recv())
-            os.kill(pid, signal.SIGKILL)  # stuck on hostile input
+            stuck = True  # on hostile input
         except (EOFError, OSError):  # a checker that died on this input (no kill needed)
-            pass
-        connection.close()
-        self.checkers.popleft()  # the spare takes over
+            stuck = False
+        except BaseException:  # interrupted mid-check (Ctrl-C in a notebook): its late answer must not reach the next
+            self._replace(kill=True)
+            raise
+        self._replace(kill=stuck)
         TIMEOUTS["count"] += 1
-        try:
-            self._ask_fork()  # the zygote forks the next spare while the trainer goes on
-        except OSError:  # the zygote is gone: the next check restarts it
-            pass
         return 0.0
+
+    def _replace(self, kill):
+        """Drop the checker in use (killed first if `kill`) and move on to a spare at once; the zygote forks the
+        next spare in the background."""
+        pid, connection = self.checkers.popleft()
+        connection.close()
+        if kill:
+            with contextlib.suppress(OSError):  # it died on its own meanwhile
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):  # the zygote is gone: the next check restarts it
+            self._ask_fork()
 
 
 CHECKER = _Verifier()

@@ -202,6 +202,20 @@ def test_a_forked_caller_starts_its_own_checker(warm_pool):
     assert [warm_pool.process.pid, *live_checkers(warm_pool)] == pids
 
 
+def test_an_interrupted_check_leaves_no_late_answer(warm_pool):
+    """Ctrl-C in the middle of a check (a notebook's interrupt): the next check gets its own answer, not the
+    interrupted one's, and within its own budget."""
+    import threading
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        common.verify("\\boxed{9^{9^{9^{9^{9}}}}}", "1")
+        time.sleep(5)  # the interrupt comes during the check, or at the latest here
+    for response, gold, expected in [("\\boxed{2x+1}", "1+2x", 1.0), ("\\boxed{x}", "y", 0.0),
+                                     ("\\boxed{\\frac{3}{4}}", "0.75", 1.0)]:
+        score, seconds = timed_verify(response, gold)
+        assert score == expected and seconds < BOUND_S, (response, score, seconds)
+
+
 def test_hostile_in_a_row_then_correct(warm_pool):
     """Each hostile response costs one timeout and one killed checker; the answer right after still gets a warm
     checker within its own budget (no false 0 from a checker still starting up)."""
