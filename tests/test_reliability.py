@@ -518,6 +518,23 @@ def test_stop_signals_defer_the_first_and_not_the_second(first, second):
     assert {number: signal.getsignal(number) for number in previous} == previous
 
 
+def test_a_second_signal_while_a_checkpoint_is_written_stops_once_it_is_whole():
+    """An interrupt inside the checkpoint writers' C++ code aborted the process (SIGABRT) with a half-written
+    checkpoint; the second signal now waits for the write to finish."""
+    stop, written = infra.run.StopSignals(), []
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        with pytest.raises(KeyboardInterrupt):
+            with stop.writing():
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.5)  # no KeyboardInterrupt here
+                written.append(True)
+        assert written == [True]
+    finally:
+        stop.restore()
+
+
 # ---------------------------------------------------------------------------------------------- checkpoints
 KILLED_SAVE = """
 import sys, time
