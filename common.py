@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from infra import UserError, answer_line, dist, verifier
+from infra.hub import check_model_source
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -55,15 +56,18 @@ def load_model(name_or_path, dtype="auto", device=None, trust_remote_code=False,
     path, device = resolve_model_name(name_or_path), device or dist.default_device()
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    tokenizer = load_tokenizer(path, trust_remote_code)
+    check_model_source(name_or_path)  # a missing model fails in one line, in seconds (offline too)
     kwargs = dict(dtype=torch.float32, trust_remote_code=trust_remote_code)
     try:
+        tokenizer = load_tokenizer(path, trust_remote_code)
         if value_head:
             model = AutoModelForTokenClassification.from_pretrained(path, num_labels=int(value_head), **kwargs)
         else:
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    except OSError as error:
-        raise UserError(f"cannot load model {name_or_path!r} from {path!r}: {str(error).splitlines()[0]}")
+    except (OSError, ValueError) as error:  # missing files, unknown architecture, a bad config
+        reason = " ".join(str(error).split())  # transformers' messages run over several lines
+        raise UserError(f"cannot load model {name_or_path!r} from {path!r}: "
+                        f"{reason if len(reason) <= 300 else reason[:300] + '...'}") from None
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))
     model.config.pad_token_id = tokenizer.pad_token_id
@@ -111,7 +115,7 @@ def prompt_ids(tokenizer, question):
 # killed at a deadline (infra/verifier.py; not signal.alarm, which breaks outside the main thread).
 # ----------------------------------------------------------------------------------------------
 MAX_ANSWER_CHARS = 1000
-VERIFY_TIMEOUT_S = 1.5  # wall-clock budget per response (the kill and re-fork add ~0.05 s); a timeout scores 0
+VERIFY_TIMEOUT_S = 1.5  # wall-clock budget per response (past it: a kill and a swap to a spare checker); scores 0
 
 
 def extract_answer(text):

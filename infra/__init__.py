@@ -7,6 +7,7 @@
                    format, and the order of training rows
     tiny.py        the built-in task and the built-in tiny model
     engine.py      the Hugging Face rollout engine, and the choice of engine
+    hub.py         where a --model comes from (local folder, Hugging Face cache, hub), checked before it loads
     vllm_engine.py the vLLM rollout engine (optional: vLLM is imported there only)
     verifier.py    the math-verify checker process behind common.verify
     answer_line.py DAPO's answer-line reward (verl math_dapo) behind common.verify_answer_line

@@ -104,18 +104,28 @@ class _SampledLogprobs:
         return torch.stack(self.logprobs + [last], 1)
 
 
+def vllm_problem(device_type):
+    """Why vLLM cannot be the rollout engine here (None when it can)."""
+    if device_type != "cuda":
+        return "needs the policy on a CUDA GPU"
+    try:
+        import vllm  # noqa: F401
+    except Exception as error:  # not installed, or built for another torch/CUDA
+        return f"needs vllm (pip install -r requirements-vllm.txt; importing it failed: {type(error).__name__})"
+    return None
+
+
+def check_generator(kind, device):
+    """Refuse --generator vllm where it cannot run, in one line, before any model loads or any run folder exists."""
+    problem = vllm_problem(torch.device(device).type) if kind == "vllm" else None
+    if problem:
+        raise UserError(f"--generator vllm {problem}; or use --generator hf")
+
+
 def make_generator(kind, model, tokenizer, gpu_memory_utilization=0.3, seed=0):
     """The rollout engine for --generator, holding `model`'s current weights: `hf`; `vllm` (refused in one line
     when it cannot run); `auto`: vLLM when it imports and the policy is on a CUDA device, else HF."""
-    problem = None
-    if kind != "hf":
-        if model.device.type != "cuda":
-            problem = "needs the policy on a CUDA GPU"
-        else:
-            try:
-                import vllm  # noqa: F401
-            except Exception as error:  # not installed, or built for another torch/CUDA
-                problem = f"needs vllm (pip install -r requirements-vllm.txt; importing it failed: {type(error).__name__})"
+    problem = vllm_problem(model.device.type) if kind != "hf" else None
     if kind == "vllm" and problem:
         raise UserError(f"--generator vllm {problem}; or use --generator hf")
     if kind != "hf" and not problem:

@@ -537,6 +537,9 @@ def test_run_directory_refuses_to_reuse_a_run(tmp_path):
     assert path == os.path.join(str(tmp_path), "r1")
     os.makedirs(path)
     open(os.path.join(path, "metrics.jsonl"), "w").close()
+    assert infra.run.run_directory(args, "grpo.py") == path  # left by a start that logged no step: reusable
+    with open(os.path.join(path, "metrics.jsonl"), "w") as handle:
+        handle.write('{"step": 0}\n')
     with pytest.raises(infra.UserError, match="--resume"):
         infra.run.run_directory(args, "grpo.py")
     resumed = dataclasses.replace(grpo.Args(), resume=os.path.join(path, "checkpoints", "step_000002"), run_name="")

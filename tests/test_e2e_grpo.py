@@ -76,6 +76,11 @@ def test_checkpoint_loads_with_transformers(two_step_run, tiny_path):
 
 def test_resume_continues_at_step_two(two_step_run):
     check_ok(two_step_run["resumed"])
+    assert "with its saved settings; --steps 3 (saved: 2)" in two_step_run["resumed"].stdout
+    run_dir = two_step_run["run_dir"]
+    assert json.load(open(os.path.join(run_dir, "config.json")))["steps"] == 2  # the first start's settings, kept
+    record = json.load(open(os.path.join(run_dir, "config.resume_000002.json")))
+    assert record["changed"] == {"steps": [2, 3]} and record["config"]["steps"] == 3
     metrics = read_metrics(two_step_run["run_dir"])  # the resumed run writes to the same run directory
     assert [record["step"] for record in metrics] == [0, 1, 2]
     assert metrics[:2] == two_step_run["metrics"]

@@ -1,8 +1,12 @@
-"""Reliability: bad data and flags refused (one line, before any model loads), non-finite updates skipped,
-Ctrl-C saves, checkpoints atomic under SIGKILL, and --resume continues exactly (step for step, bit for bit)."""
+"""Reliability: bad data, flags and models refused (one line, before any model loads or any run folder exists),
+non-finite updates skipped, Ctrl-C and SIGTERM save, no start leaves a folder that blocks both resuming and
+restarting, checkpoints atomic under SIGKILL, and --resume continues exactly (step for step, bit for bit) with the
+run's saved settings."""
+import glob
 import importlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -161,9 +165,9 @@ def test_flags_refused_before_the_model_loads(trainer, monkeypatch, capsys, no_m
 @pytest.mark.parametrize("trainer", TRAINERS)
 def test_run_clash_and_bad_resume_refused_before_the_model_loads(trainer, monkeypatch, capsys, no_model, tmp_path):
     os.makedirs(tmp_path / "taken")
-    write(tmp_path / "taken" / "metrics.jsonl", "")
+    write(tmp_path / "taken" / "metrics.jsonl", '{"step": 0}\n')
     taken = refusal(monkeypatch, capsys, trainer, "--run-name", "taken", "--output-dir", tmp_path)
-    assert "already holds a run" in taken
+    assert "already holds a run" in taken and f"continue it with: python {trainer}.py --resume " in taken
     assert "--resume" in refusal(monkeypatch, capsys, trainer, "--resume", tmp_path / "nope")
     os.makedirs(tmp_path / "fresh" / "checkpoints")
     assert "no checkpoint yet" in refusal(monkeypatch, capsys, trainer, "--resume", tmp_path / "fresh")
@@ -190,6 +194,62 @@ def test_skip_bad_rows_gets_past_the_data(tmp_path, monkeypatch, capsys, no_mode
     with pytest.raises(ModelLoaded):
         importlib.import_module("grpo").main()
     assert f"skipped 1 bad rows of 2 in {bad}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", 0], "--steps must be at least 1, got 0 (--eval-only evaluates without training)"),
+    (["--generator", "vllm", "--device", "cpu"], "--generator vllm needs the policy on a CUDA GPU; or use --generator "
+                                                 "hf"),
+    (["--model", "runs/nothere/policy"], "--model 'runs/nothere/policy': no such folder"),
+])
+def test_bad_input_leaves_no_run_folder(argv, message, monkeypatch, capsys, no_model, tmp_path):
+    assert message in refusal(monkeypatch, capsys, "grpo", *argv, "--output-dir", tmp_path / "runs", "--run-name", "r")
+    assert not os.path.exists(tmp_path / "runs")
+
+
+@pytest.mark.parametrize("argv, module, message", [
+    (["--tensorboard"], "torch.utils.tensorboard", "--tensorboard needs TensorBoard: pip install tensorboard"),
+    (["--wandb-project", "p"], "wandb", "--wandb-project needs Weights & Biases: pip install wandb, then wandb login"),
+])
+def test_missing_integrations_refused_with_the_pip_command(argv, module, message, monkeypatch, capsys, no_model,
+                                                           tmp_path):
+    monkeypatch.setitem(sys.modules, module, None)  # as if not installed: importing it raises ImportError
+    assert message in refusal(monkeypatch, capsys, "grpo", *argv, "--output-dir", tmp_path / "runs", "--run-name", "r")
+    assert not os.path.exists(tmp_path / "runs")
+
+
+@pytest.mark.parametrize("model, environment, message", [
+    ("some/nonexistent-model", {"HF_HUB_OFFLINE": "1"}, "not in the local Hugging Face cache"),
+    ("runs/nothere/policy", {"HF_HUB_OFFLINE": "1"}, "no such folder"),
+    ("some/nonexistent-model", {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}, "cannot be reached"),
+])
+def test_a_missing_model_fails_in_one_line_within_10_s(model, environment, message, tmp_path, capsys):
+    """Offline (HF_HUB_OFFLINE=1, or a hub that cannot be reached) a name not in the local cache, and a mistyped
+    checkpoint path: one line, exit code 2, no run folder, within 10 s of the trainer's imports (the hub client
+    retried for 53 s before). The imports (python, torch) are timed just before and set apart: about 2 s on a quiet
+    machine, up to 12 s on 2 shared cores under load, none of it this check's doing."""
+    def timed(*argv):
+        start = time.monotonic()
+        result = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=120,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", **environment})
+        return result, time.monotonic() - start
+    imports = timed("-c", "import grpo")[1]
+    result, seconds = timed("grpo.py", "--model", model, "--output-dir", str(tmp_path / "runs"))
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and message in lines[0], result.stderr[-3000:]
+    assert lines[0].startswith(f"grpo.py: error: --model {model!r}: ")
+    with capsys.disabled():
+        print(f"\n--model {model} ({environment}): {seconds:.1f} s in all, the imports alone {imports:.1f} s")
+    assert seconds - imports < 10, f"{seconds:.1f} s in all, the imports alone {imports:.1f} s"
+    assert not os.path.exists(tmp_path / "runs")
+
+
+def test_a_model_folder_that_does_not_load_fails_in_one_line(tmp_path):
+    """The tokenizer loads inside the same try as the model: a folder whose config names no known model is one line."""
+    write(tmp_path / "config.json", '{"model_type": "no-such-architecture"}')
+    with pytest.raises(infra.UserError, match=f"cannot load model '{tmp_path}'") as error:
+        common.load_model(str(tmp_path), device="cpu")
+    assert "\n" not in str(error.value)
 
 
 # ---------------------------------------------------------------------------------------------- training faults
@@ -290,7 +350,7 @@ def test_non_finite_updates_in_a_row_stop_with_a_checkpoint(monkeypatch, tmp_pat
 
 def test_ctrl_c_saves_and_exits_cleanly(monkeypatch, tmp_path):
     """A real SIGINT as step 2 begins: main returns normally (exit code 0) with a checkpoint that holds exactly the
-    logged steps (2 with an immediate stop, 3 with infra.run.StopOnCtrlC finishing the step first)."""
+    logged steps (2 with an immediate stop, 3 with infra.run.StopSignals finishing the step first)."""
     real_rows, sent = infra.data.step_rows, []
 
     def step_rows(rows, step, count, seed):
@@ -338,19 +398,144 @@ def test_ctrl_c_in_the_middle_of_an_update_saves_whole_steps(monkeypatch, tmp_pa
     assert_same(trainer_state(checkpoint), trainer_state(reference))
 
 
-def test_stop_on_ctrl_c_defers_the_first_and_not_the_second():
-    previous = signal.getsignal(signal.SIGINT)
-    stop = infra.run.StopOnCtrlC()
+def main_of(monkeypatch, capsys, *argv):
+    """Run `grpo.py argv` in-process as its command line does (run_main); return (exit code, stdout, stderr)."""
+    monkeypatch.setattr(sys, "argv", ["grpo.py", *map(str, argv)])
+    capsys.readouterr()
     try:
-        os.kill(os.getpid(), signal.SIGINT)
+        infra.run.run_main(importlib.import_module("grpo").main)
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def interrupt_twice_at(monkeypatch, at_step):
+    """Two Ctrl-C as rollout `at_step` begins: the second raises KeyboardInterrupt at once (no checkpoint)."""
+    real_rows, sent = infra.data.step_rows, []
+
+    def step_rows(rows, step, count, seed):
+        if step == at_step and not sent:
+            sent.append(step)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # KeyboardInterrupt comes here
+        return real_rows(rows, step, count, seed)
+    monkeypatch.setattr(infra.data, "step_rows", step_rows)
+
+
+def test_interrupted_before_any_step_leaves_no_folder(monkeypatch, capsys, tmp_path):
+    interrupt_twice_at(monkeypatch, 0)
+    argv = [*SMALL, "--steps", 2, "--run-name", "r", "--output-dir", tmp_path]
+    code, _, err = main_of(monkeypatch, capsys, *argv)
+    assert code == 130 and not os.path.exists(tmp_path / "r")  # nothing to resume, nothing in the way
+    assert err.strip().splitlines()[-1] == "nothing was saved; to start again: python grpo.py " + \
+        shlex.join(map(str, argv))
+
+
+def test_interrupted_before_the_first_checkpoint_restarts_with_the_command_it_prints(monkeypatch, capsys, tmp_path):
+    """Steps logged, no checkpoint yet: the folder blocks a new start under its name, so the message names the
+    command that starts it again with its saved settings (--resume of a run without a checkpoint), and it works."""
+    interrupt_twice_at(monkeypatch, 1)
+    code, _, err = main_of(monkeypatch, capsys, *SMALL, "--steps", 2, "--run-name", "r", "--output-dir", tmp_path)
+    run_dir = str(tmp_path / "r")
+    assert code == 130 and sorted(records(run_dir)) == [0] and not os.path.exists(os.path.join(run_dir, "checkpoints"))
+    message = err.strip().splitlines()[-1]
+    assert message == f"{run_dir} has no checkpoint yet; to start it again with its settings: python grpo.py " \
+                      f"--resume {run_dir}"
+    clash = refusal(monkeypatch, capsys, "grpo", *SMALL, "--run-name", "r", "--output-dir", tmp_path)
+    assert "already holds a run (logged steps, no checkpoint yet): continue it with: python grpo.py --resume " \
+           f"{run_dir}" in clash
+    code, out, err = main_of(monkeypatch, capsys, *shlex.split(message.split(": python grpo.py ")[1]))
+    assert code == 0, err[-3000:]
+    assert f"resuming {run_dir} again from step 0 (no checkpoint yet) with its saved settings" in out
+    assert infra.checkpoint._checkpoint_steps(os.path.join(run_dir, "checkpoints")) == [2]
+    assert sorted(records(run_dir)) == [0, 1]
+
+
+def test_a_crash_before_any_step_leaves_no_folder(monkeypatch, capsys, tmp_path):
+    def broken_engine(*args, **kwargs):
+        raise RuntimeError("the engine broke")
+    monkeypatch.setattr(infra.run, "make_generator", broken_engine)  # fails after the run folder is made
+    monkeypatch.setattr(sys, "argv", ["grpo.py", *map(str, SMALL), "--run-name", "r", "--output-dir", str(tmp_path)])
+    with pytest.raises(RuntimeError, match="the engine broke"):
+        infra.run.run_main(importlib.import_module("grpo").main)
+    assert not os.path.exists(tmp_path / "r")
+    assert "nothing was saved; to start again: python grpo.py " in capsys.readouterr().err
+
+
+def test_resume_takes_the_saved_settings_and_records_changes(monkeypatch, capsys, tmp_path):
+    """A resume with no flags but --steps: the saved batch and evaluation sizes, not the tiny preset's; config.json
+    untouched; the change printed and recorded; the latest record's settings are the run's from then on; a finished
+    run says so; a change of what the run computes is refused in one line."""
+    run_dir = run_grpo(monkeypatch, tmp_path, "--steps", 2)  # SMALL: 4 prompts per step, 4 evaluation problems
+    with open(os.path.join(run_dir, "config.json")) as handle:
+        original = handle.read()
+    code, out, err = main_of(monkeypatch, capsys, "--resume", run_dir, "--steps", 3)
+    assert code == 0, err[-3000:]
+    assert f"resuming {run_dir} from step_000002 with its saved settings; --steps 3 (saved: 2)" in out
+    with open(os.path.join(run_dir, "config.json")) as handle:
+        assert handle.read() == original  # never overwritten
+    with open(os.path.join(run_dir, "config.resume_000002.json")) as handle:
+        record = json.load(handle)
+    assert record["changed"] == {"steps": [2, 3]} and record["step"] == 2
+    assert record["checkpoint"] == os.path.join(run_dir, "checkpoints", "step_000002")
+    saved = json.loads(original)
+    assert saved["prompts_per_step"] == record["config"]["prompts_per_step"] == 4  # the tiny preset has 16
+    assert saved["eval_problems"] == record["config"]["eval_problems"] == 4  # the tiny preset has 256
+    assert sorted(records(run_dir)) == [0, 1, 2]
+    code, out, err = main_of(monkeypatch, capsys, "--resume", run_dir)  # 3 steps now: finished
+    assert code == 0 and err.strip() == (f"{run_dir} is finished: 3 of 3 steps done. To train it further: "
+                                         f"python grpo.py --resume {run_dir} --steps 6")
+    again = refusal(monkeypatch, capsys, "grpo", *SMALL, "--run-name", "run", "--output-dir", tmp_path)
+    assert again.endswith(f"{run_dir} already holds a finished run (3 steps): to train it further: python grpo.py "
+                          f"--resume {run_dir} --steps 6; or pass another --run-name")
+    line = refusal(monkeypatch, capsys, "grpo", "--resume", run_dir, "--steps", 4, "--eval-problems", 8, "--lr", 0.1)
+    assert "a resumed run keeps its saved settings, and --eval-problems 8 (saved: 4), --lr 0.1 (saved: 0.0001) " \
+           "would change them" in line
+    assert f"start a new run from its weights: --model {run_dir}/checkpoints/step_000003/policy" in line
+    assert "resume may change only --steps, " in line
+    other = refusal(monkeypatch, capsys, "grpo", "--resume", run_dir, "--steps", 4, "--run-name", "elsewhere")
+    assert f"--resume continues {run_dir} in place" in other
+    assert sorted(os.path.basename(path) for path in glob.glob(os.path.join(run_dir, "config*.json"))) == \
+        ["config.json", "config.resume_000002.json"]  # refusals write nothing
+
+
+@pytest.mark.parametrize("first, second", [(signal.SIGINT, signal.SIGINT), (signal.SIGTERM, signal.SIGINT),
+                                           (signal.SIGTERM, signal.SIGTERM)])
+def test_stop_signals_defer_the_first_and_not_the_second(first, second):
+    """Ctrl-C or SIGTERM (a scheduler's preemption): the first asks for a stop after the step, a second stops now."""
+    previous = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+    stop = infra.run.StopSignals()
+    try:
+        os.kill(os.getpid(), first)
         time.sleep(0.1)
         assert stop.requested  # and no KeyboardInterrupt: the step goes on
         with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), second)
             time.sleep(1)
     finally:
         stop.restore()
-    assert signal.getsignal(signal.SIGINT) is previous
+    assert {number: signal.getsignal(number) for number in previous} == previous
+
+
+def test_a_second_signal_while_a_checkpoint_is_written_stops_once_it_is_whole():
+    """An interrupt inside the checkpoint writers' C++ code aborted the process (SIGABRT) with a half-written
+    checkpoint; the second signal now waits for the write to finish."""
+    stop, written = infra.run.StopSignals(), []
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        with pytest.raises(KeyboardInterrupt):
+            with stop.writing():
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.5)  # no KeyboardInterrupt here
+                written.append(True)
+        assert written == [True]
+    finally:
+        stop.restore()
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
@@ -435,10 +620,51 @@ def test_keeps_the_last_k_by_step_number(tmp_path, tiny):
 
 # ---------------------------------------------------------------------------------------------- exact resume
 def start_grpo(run_dir, *argv):
-    command = [sys.executable, "grpo.py", *map(str, SMALL), "--steps", 6, "--save-every", 1, "--keep-checkpoints", 10,
-               "--run-name", os.path.basename(run_dir), "--output-dir", os.path.dirname(run_dir), *argv]
+    """grpo.py in a process group of its own (6 steps, a checkpoint after each, unless argv says otherwise)."""
+    command = [sys.executable, "grpo.py", *map(str, SMALL), "--keep-checkpoints", 10, "--run-name",
+               os.path.basename(run_dir), "--output-dir", os.path.dirname(run_dir), *argv]
+    if "--steps" not in argv:
+        command += ["--steps", 6, "--save-every", 1]
     return subprocess.Popen([str(c) for c in command], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+
+
+def test_sigterm_saves_a_checkpoint_that_resumes_exactly(tmp_path):
+    """SIGTERM to the whole process group (as Slurm sends it; the answer checkers ignore it) during step 2: the run
+    finishes the step, saves, says so and exits 0; --resume then gives the straight run's records and final
+    parameters, bit for bit."""
+    straight, stopped = str(tmp_path / "straight"), str(tmp_path / "stopped")
+    flags = ["--steps", 5, "--save-every", 0]  # the only checkpoint before the end is the one SIGTERM makes
+    straight_run, stopped_run = start_grpo(straight, *flags), start_grpo(stopped, *flags)
+    try:
+        metrics, deadline = os.path.join(stopped, "metrics.jsonl"), time.monotonic() + 600
+        while stopped_run.poll() is None and time.monotonic() < deadline and \
+                not (os.path.exists(metrics) and len(open(metrics).readlines()) >= 2):
+            time.sleep(0.02)
+        os.killpg(stopped_run.pid, signal.SIGTERM)  # steps 0 and 1 are logged
+        output = stopped_run.communicate(timeout=600)[0]
+        assert stopped_run.returncode == 0, output[-3000:]
+        saved = infra.checkpoint._checkpoint_steps(os.path.join(stopped, "checkpoints"))
+        assert len(saved) == 1 and saved[0] in (2, 3) and sorted(records(stopped)) == list(range(saved[0]))
+        assert "SIGTERM: stopping after this step, with a checkpoint" in output
+        assert f"stopped after step {saved[0] - 1} (SIGTERM); continue with: python grpo.py --resume {stopped}" \
+            in output
+        resumed = start_grpo(stopped, *flags, "--resume", stopped)
+        output = resumed.communicate(timeout=600)[0]
+        assert resumed.returncode == 0, output[-3000:]
+        assert straight_run.wait(600) == 0, straight_run.communicate()[0][-3000:]
+    finally:
+        for process in (straight_run, stopped_run):
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+    a, b = records(straight), records(stopped)
+    assert sorted(a) == sorted(b) == list(range(5))
+    for step in range(5):
+        keys = (set(a[step]) & set(b[step])) - TIMING_KEYS
+        assert {k: a[step][k] for k in keys} == {k: b[step][k] for k in keys}, step  # exactly equal floats
+    final_a, final_b = (os.path.join(run, "checkpoints", "step_000005") for run in (straight, stopped))
+    assert_same(tensors(final_a), tensors(final_b))
+    assert_same(trainer_state(final_a), trainer_state(final_b))  # Adam moments, step counts and RNG states
 
 
 def test_resume_after_sigkill_is_exact(tmp_path, capsys):

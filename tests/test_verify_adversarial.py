@@ -1,7 +1,11 @@
 """Answer checking under hostile model output: every response is scored within 2 s of wall time (a timeout
-scores 0 and is counted), nothing crashes, nothing is evaluated as code. Prints the worst time measured."""
+scores 0 and is counted), the first one after the checker starts included, nothing crashes, nothing is evaluated as
+code; the checker starts from any script, guarded by `if __name__ == "__main__":` or not. Prints the worst time."""
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -11,6 +15,7 @@ import infra.evaluate
 import infra.verifier
 
 BOUND_S = 2.0  # the issue's bound per response, worst case, waiting for a checker included
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +28,13 @@ def warm_pool():
     return infra.verifier.CHECKER
 
 
+def live_checkers(verifier):
+    """The pids of the checkers in use and spare, once the zygote has sent every fork asked of it."""
+    while verifier.pending:
+        verifier._receive_fork(block=True)
+    return sorted(pid for pid, _ in verifier.checkers)
+
+
 def timed_verify(response, gold):
     start = time.monotonic()
     score = common.verify(response, gold)
@@ -31,7 +43,8 @@ def timed_verify(response, gold):
 
 # (name, response, gold, expected score or None when only the bound matters)
 MILLION = 1_000_000
-CORPUS = [
+CORPUS = [  # run in this order in a fresh process: the first timeout after the start comes first
+    ("tower 9^9^9^9^9", "\\boxed{9^{9^{9^{9^{9}}}}}", "1", 0.0),
     ("nested braces, 1e5 deep", "\\boxed{" + "{" * 100_000 + "1" + "}" * 100_000 + "}", "1", 0.0),
     ("nested braces, 450 deep", "\\boxed{" + "{" * 450 + "1" + "}" * 450 + "}", "1", None),
     ("nested fractions, 100 deep", "\\boxed{" + "\\frac{1}{" * 100 + "2" + "}" * 100 + "}", "1", None),
@@ -42,10 +55,22 @@ CORPUS = [
     ("1e6 chars of }", "}" * MILLION, "5", 0.0),
     ("125000 empty \\boxed{}", "\\boxed{}" * (MILLION // 8), "5", 0.0),
     ("111111 \\boxed{5}", "\\boxed{5}" * (MILLION // 9), "5", 1.0),
-    ("tower 9^9^9^9^9", "\\boxed{9^{9^{9^{9^{9}}}}}", "1", 0.0),
+    ("tower 9^9^9^9^9 without braces", "\\boxed{9^9^9^9^9}", "1", 0.0),
+    ("tower ((((9^9)^9)^9)^9)", "\\boxed{{{{{9}^{9}}^{9}}^{9}}^{9}}", "1", 0.0),
+    ("tower 10^10^100", "\\boxed{10^{10^{100}}}", "1", 0.0),
+    ("tower e^e^e^100", "\\boxed{e^{e^{e^{100}}}}", "1", 0.0),
+    ("tower of 2s over 3", "\\boxed{\\frac{2^{2^{2^{2^{2^{2}}}}}}{3}}", "1", 0.0),
+    ("difference of equal towers", "\\boxed{2^{10^{10}}-2^{10^{10}}}", "0", None),
+    ("equation of towers", "\\boxed{9^{9^{9}} = 9^{9^{9}}}", "1", None),
+    ("tiny power 10^-10^10", "\\boxed{10^{-10^{10}}}", "0", None),
+    ("float 1e99999999", "\\boxed{1e99999999}", "1", 0.0),
     ("tower 10^10^10^10", "\\boxed{10^{10^{10^{10}}}}", "7", 0.0),
     ("tower of 2s", "\\boxed{" + "2^{" * 12 + "2" + "}" * 12 + "}", "3", 0.0),
     ("factorial of 10^10", "\\boxed{(10^{10})!}", "5", 0.0),
+    ("factorial of a tower", "\\boxed{(9^{9^{9}})!}", "1", 0.0),
+    ("double factorial of 10^10", "\\boxed{(10^{10})!!}", "5", 0.0),
+    ("product to 10^9", "\\boxed{\\prod_{k=1}^{10^{9}} k}", "5", 0.0),
+    ("limit with a tower", "\\boxed{\\lim_{n\\to\\infty} (1+1/n)^{n^{n}}}", "e", None),
     ("binomial of 10^9", "\\boxed{\\binom{10^{9}}{10^{8}}}", "5", 0.0),
     ("expansion (x+1)^10000 vs x", "\\boxed{(x+1)^{10000}-(x-1)^{10000}}", "x", 0.0),
     ("symbolic tower x^x^x^x", "\\boxed{x^{x^{x^{x^{x}}}}}", "x^{x^{x}}", 0.0),
@@ -66,25 +91,129 @@ CORPUS = [
 ]
 
 
-def test_adversarial_corpus_is_bounded(warm_pool, capsys):
+FRESH_PROCESS = """
+import json, sys, time
+sys.path.insert(0, {tests!r})
+import common, infra.verifier
+from test_verify_adversarial import CORPUS
+infra.verifier.CHECKER.start()
+rows = []
+for name, response, gold, expected in CORPUS:
+    start = time.monotonic()
+    score = common.verify(response, gold)
+    rows.append([name, time.monotonic() - start, score, infra.verifier.pop_timeouts()])
+print(json.dumps(dict(start_s=infra.verifier.CHECKER.start_s, rows=rows)))
+"""
+
+
+def run_script(tmp_path, text, pythonpath=REPO, timeout=600):
+    """Run `text` as a script of its own in a fresh process; the repository (or `pythonpath`) on its path."""
+    script = tmp_path / "script.py"
+    script.write_text(text)
+    return subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath))
+
+
+def test_adversarial_corpus_is_bounded_from_a_fresh_process(tmp_path, capsys):
+    """The whole corpus in a fresh process right after the checker starts: each response within the bound, the
+    first timeout (and so the first kill and swap to a spare) included."""
     if os.path.exists("/tmp/rl_reasoning_pwned"):
         os.remove("/tmp/rl_reasoning_pwned")
-    rows, worst = [], (0.0, "")
-    for name, response, gold, expected in CORPUS:
-        score, seconds = timed_verify(response, gold)
+    result = run_script(tmp_path, FRESH_PROCESS.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    assert result.returncode == 0, result.stderr[-3000:]
+    measured = json.loads(result.stdout.splitlines()[-1])
+    assert measured["rows"][0][0] == "tower 9^9^9^9^9" and measured["rows"][0][3] == 1  # the first one timed out
+    lines = []
+    for (name, _, _, expected), (_, seconds, score, timeouts) in zip(CORPUS, measured["rows"]):
         assert score in (0.0, 1.0), name
         if expected is not None:
             assert score == expected, name
-        assert seconds < BOUND_S, f"{name}: {seconds:.2f} s"
-        rows.append(f"  {seconds:6.3f} s  score {score:.0f}  {name}")
-        worst = max(worst, (seconds, name))
-    assert warm_pool.checker is not None  # the last killed checker was replaced
-    assert children(warm_pool.zygote[0].pid) == [warm_pool.checker[0]]  # killed ones reaped, none leaked
-    assert not os.path.exists("/tmp/rl_reasoning_pwned")  # model text was never run
+        lines.append(f"  {seconds:6.3f} s  score {score:.0f}" + " timeout" * timeouts + f"  {name}")
+    worst = max((seconds, name) for name, seconds, _, _ in measured["rows"])
     with capsys.disabled():
-        print("\nadversarial corpus, wall time per response (2 shared CPU cores: inflated):\n" + "\n".join(rows))
-        print(f"WORST VERIFICATION TIME: {worst[0]:.3f} s ({worst[1]}); bound {BOUND_S} s; one-time checker start "
-              f"{getattr(warm_pool, 'cold_start_s', 0.0):.2f} s (not charged to a response)")
+        print("\nadversarial corpus from a fresh process, wall time per response (2 shared CPU cores: inflated):\n"
+              + "\n".join(lines))
+        print(f"WORST VERIFICATION TIME: {worst[0]:.3f} s ({worst[1]}); bound {BOUND_S} s; "
+              f"{sum(row[3] for row in measured['rows'])} timeouts; one-time checker start "
+              f"{measured['start_s']:.2f} s (not charged to a response)")
+    assert worst[0] < BOUND_S, f"{worst[1]}: {worst[0]:.3f} s"
+    assert not os.path.exists("/tmp/rl_reasoning_pwned")  # model text was never run
+
+
+def test_unguarded_script_can_verify(tmp_path):
+    """A two-line script without `if __name__ == "__main__":`: the checker never runs the caller's script again
+    (multiprocessing's spawn did, and the checker died at start)."""
+    result = run_script(tmp_path, 'import common\nprint(common.verify("\\\\boxed{x+1}", "1+x"))\n')
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout == "1.0\n"  # printed once: the script ran once
+
+
+def test_a_checker_that_cannot_start_says_why(tmp_path):
+    """A math-verify that fails to import: the error names the checker's exit and its last line of output."""
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "math_verify.py").write_text('raise ImportError("this math_verify is broken on purpose")\n')
+    result = run_script(tmp_path, "import common\ntry:\n    common.verify('\\\\boxed{x}', 'y')\n"
+                                  "except RuntimeError as error:\n    print(error)\n", f"{fake}{os.pathsep}{REPO}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    message = result.stdout.strip()
+    assert "\n" not in message and "exited with code 1" in message, message
+    assert message.endswith("ImportError: this math_verify is broken on purpose (pip install math-verify)"), message
+
+
+ORPHAN = """
+import os, signal, common, infra.verifier
+checker = infra.verifier.CHECKER
+checker.start()
+for pid, connection in checker.checkers:
+    connection.send(("1", "1"))
+    connection.recv()  # it is set up and answering
+    connection.send(("1", "9^{9^{9^{9^{9}}}}"))
+    os.kill(pid, signal.SIGSTOP)  # stuck where no timer of math-verify's and no end of file can reach it
+print(checker.process.pid, *[pid for pid, _ in checker.checkers], flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # the trainer dies without closing anything
+"""
+
+
+def test_no_checker_outlives_a_killed_trainer(tmp_path):
+    """The zygote exits when the trainer is gone, and its checkers with it, even stuck ones (PR_SET_PDEATHSIG)."""
+    result = run_script(tmp_path, ORPHAN, timeout=120)  # a checker left alive holds its stderr: a timeout here
+    pids = [int(pid) for pid in result.stdout.split()]
+    assert result.returncode == -signal.SIGKILL and len(pids) == 2 + infra.verifier.SPARES, result.stderr[-3000:]
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
+
+
+def test_a_forked_caller_starts_its_own_checker(warm_pool):
+    """A process forked from one whose checker runs (a fork-based worker pool) gets its own zygote, and leaves the
+    parent's checkers alone."""
+    assert common.verify("\\boxed{x+1}", "1+x") == 1.0
+    pids = [warm_pool.process.pid, *live_checkers(warm_pool)]
+    child, ok = os.fork(), False
+    if child == 0:
+        try:
+            ok = common.verify("\\boxed{2x}", "x+x") == 1.0 and warm_pool.process.pid not in pids
+        finally:
+            os._exit(0 if ok else 1)
+    assert os.waitpid(child, 0)[1] == 0
+    assert common.verify("\\boxed{x+2}", "2+x") == 1.0
+    assert [warm_pool.process.pid, *live_checkers(warm_pool)] == pids
+
+
+def test_an_interrupted_check_leaves_no_late_answer(warm_pool):
+    """Ctrl-C in the middle of a check (a notebook's interrupt): the next check gets its own answer, not the
+    interrupted one's, and within its own budget."""
+    import threading
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        common.verify("\\boxed{9^{9^{9^{9^{9}}}}}", "1")
+        time.sleep(5)  # the interrupt comes during the check, or at the latest here
+    for response, gold, expected in [("\\boxed{2x+1}", "1+2x", 1.0), ("\\boxed{x}", "y", 0.0),
+                                     ("\\boxed{\\frac{3}{4}}", "0.75", 1.0)]:
+        score, seconds = timed_verify(response, gold)
+        assert score == expected and seconds < BOUND_S, (response, score, seconds)
 
 
 def test_hostile_in_a_row_then_correct(warm_pool):
@@ -99,6 +228,12 @@ def test_hostile_in_a_row_then_correct(warm_pool):
         score, seconds = timed_verify(response, gold)
         assert score == 1.0 and seconds < BOUND_S, (response, seconds)
     assert infra.verifier.pop_timeouts() == 0
+    expected = live_checkers(warm_pool)
+    assert len(expected) == 1 + infra.verifier.SPARES  # every killed checker was replaced
+    deadline = time.monotonic() + 10
+    while children(warm_pool.process.pid) != expected and time.monotonic() < deadline:
+        time.sleep(0.1)  # a killed checker takes a moment to go
+    assert children(warm_pool.process.pid) == expected  # killed ones reaped, none leaked
 
 
 def test_timeouts_reach_rollout_metrics(warm_pool):
@@ -112,15 +247,17 @@ def test_timeouts_reach_rollout_metrics(warm_pool):
     assert infra.verifier.pop_timeouts() == 0  # reported once, then reset
 
 
-def test_checkers_ignore_ctrl_c(warm_pool):
-    """Ctrl-C reaches every process of the terminal's group; the trainer handles it, the checkers keep working."""
+def test_checkers_ignore_ctrl_c_and_sigterm(warm_pool):
+    """Ctrl-C reaches every process of the terminal's group, and a scheduler's SIGTERM every process of the job;
+    the trainer handles them, the checkers keep working."""
     assert common.verify("\\boxed{x+1}", "1+x") == 1.0
-    pids = [warm_pool.zygote[0].pid, warm_pool.checker[0]]
+    pids = [warm_pool.process.pid, *live_checkers(warm_pool)]
     for pid in pids:
         os.kill(pid, signal.SIGINT)
+        os.kill(pid, signal.SIGTERM)
     time.sleep(0.5)
     assert common.verify("\\boxed{x+1}", "1+x") == 1.0
-    assert [warm_pool.zygote[0].pid, warm_pool.checker[0]] == pids  # neither was replaced
+    assert [warm_pool.process.pid, *live_checkers(warm_pool)] == pids  # none was replaced
 
 
 def children(pid):
