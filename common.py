@@ -48,7 +48,7 @@ def load_model(name_or_path, dtype="auto", device=None, trust_remote_code=False,
     """Return (model, tokenizer). value_head=k > 0: the backbone plus k scalar outputs per position
     (AutoModelForTokenClassification, as verl builds its critic). Weights load in float32 and the forward runs in
     `dtype` (auto: bfloat16 on GPU, float32 on CPU): mixed precision, so a 1e-6 step is not rounded away in bf16.
-    Under torchrun the model comes back sharded over the ranks (shard_model)."""
+    Under torchrun or --offload-optimizer the model comes back sharded over the ranks (shard_model)."""
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
     from transformers.utils import logging as transformers_logging
     transformers_logging.set_verbosity_error()  # e.g. the value head's expected "newly initialized" load report
@@ -78,8 +78,8 @@ def load_model(name_or_path, dtype="auto", device=None, trust_remote_code=False,
     if gradient_checkpointing:  # recompute each layer's activations in backward (HF checkpoints in train mode only)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # transformers < 6
         model.train()
-    model = model.to(device)
-    return (dist.shard_model(model, model.compute_dtype) if dist.distributed() else model), tokenizer
+    model = model if dist.offloaded() else model.to(device)  # offloaded: FSDP moves a unit at a time, then to host
+    return (dist.shard_model(model, model.compute_dtype) if dist.sharded() else model), tokenizer
 
 
 def forward(model, batch, **kwargs):

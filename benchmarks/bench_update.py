@@ -147,7 +147,7 @@ def main():
         parameters = sum(p.numel() for p in model.parameters())
         batch = random_batch(vocab, args.batch_size, args.prompt_length, args.response_length, args.device)
         tokens = batch.input_ids.numel()
-        seconds, steps = timed(lambda: update_step(model, batch), args.device, args.warmup, args.min_seconds)
+        seconds, steps = timed(lambda model=model: update_step(model, batch), args.device, args.warmup, args.min_seconds)
         memory = peak_memory_gib(args.device)
         mfu = 6 * parameters * tokens / seconds / args.peak_flops if on_gpu else None
         generate = generate_tokens_per_second(model, args, vocab)

@@ -3,6 +3,7 @@
     run.py         the command line (a base Args of run flags), the run folder, the step loop's logging,
                    evaluation schedule, checkpoints and Ctrl-C / SIGTERM
     dist.py        torchrun and FSDP2: ranks, collectives, sharding
+    memory.py      the memory plan per GPU, printed and checked before any model loads
     data.py        datasets (files in plain, verl or slime layout, hub ids, the built-in task), each row's answer
                    format, and the order of training rows
     tiny.py        the built-in task and the built-in tiny model

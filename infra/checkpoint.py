@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from infra import UserError
-from infra.dist import distributed, rank
+from infra.dist import distributed, rank, sharded
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP in one process too
 
@@ -105,7 +105,7 @@ def _save_sharded(directory, models, optimizers, tokenizer):
     dcp.save(_sharded_state(models, optimizers), checkpoint_id=os.path.join(directory, "sharded"))
     for name, model in models.items():
         whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) \
-            if distributed() else None  # None: save_pretrained takes the model's own
+            if sharded() else None  # None: save_pretrained takes the model's own
         if rank() == 0:
             model.save_pretrained(os.path.join(directory, name), state_dict=whole, safe_serialization=True)
             model.config.architectures = [getattr(model, "architecture", type(model).__name__)]  # not FSDP's class

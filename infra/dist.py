@@ -2,7 +2,8 @@
 slot with gloo. Every model is sharded over the ranks (FSDP2 fully_shard); each rank generates and scores its
 share of the prompts with a whole copy of the policy (the HF engine, or one vLLM engine per rank). Losses divide
 by the mean token count per rank, so the gradients FSDP averages are those of the global token-mean loss.
-Without torchrun every function here is the identity.
+Without torchrun every function here is the identity, and models are sharded only under --offload-optimizer
+(FSDP2 on a world of one process, whose CPU offload keeps weights, gradients and AdamW states in host memory).
 """
 import os
 import sys
@@ -26,21 +27,42 @@ def distributed():
     return world_size() > 1
 
 
+_offload_device = None  # with --offload-optimizer: the device the offloaded models compute on (init_device)
+
+
+def offloaded():
+    """Whether models keep their weights, gradients and AdamW states in host memory (--offload-optimizer)."""
+    return _offload_device is not None
+
+
+def sharded():
+    """Whether models are wrapped by FSDP2: under torchrun, or in one process with --offload-optimizer."""
+    return distributed() or offloaded()
+
+
 def default_device():
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def init_device(device=""):
+def init_device(device="", cpu_offload=False):
     """This process's torch device. Under torchrun (WORLD_SIZE > 1) it joins the process group first: NCCL with one
-    GPU per rank (LOCAL_RANK), gloo on CPU; ranks other than 0 print nothing to stdout."""
+    GPU per rank (LOCAL_RANK), gloo on CPU; ranks other than 0 print nothing to stdout. cpu_offload: models will be
+    sharded with FSDP2's CPU offload (a group of one process without torchrun; gloo beside NCCL for the host-side
+    collectives on offloaded tensors)."""
+    global _offload_device
     device = device or default_device()
-    if distributed() and not torch.distributed.is_initialized():
+    if (distributed() or cpu_offload) and not torch.distributed.is_initialized():
         if device.startswith("cuda"):
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
             torch.cuda.set_device(device)
-        torch.distributed.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        backend = ("cpu:gloo,cuda:nccl" if cpu_offload else "nccl") if device.startswith("cuda") else "gloo"
+        if distributed():
+            torch.distributed.init_process_group(backend)
+        else:  # a world of one, no rendezvous
+            torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
         if rank() > 0:
             sys.stdout = open(os.devnull, "w")
+    _offload_device = device if cpu_offload else None
     return device
 
 
@@ -116,15 +138,24 @@ def rank_share(items):
 
 def shard_model(model, compute_dtype):
     """FSDP2 over all ranks: each decoder layer a unit (the architecture's _no_split_modules), then the rest
-    (embeddings, final norm, heads). Parameters stay float32; forward and backward run in `compute_dtype`."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    (embeddings, final norm, heads). Parameters stay float32; forward and backward run in `compute_dtype`. With
+    --offload-optimizer, CPUOffloadPolicy: the float32 shards, their gradients and so the AdamW states (built from
+    model.parameters()) live in host memory; each unit is copied to the device for its forward and backward, and
+    the optimizer steps on the CPU."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     precision = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if _offload_device else OffloadPolicy()
     layer_names = set(getattr(model, "_no_split_modules", None) or [])
     for module in model.modules():
         if type(module).__name__ in layer_names:
-            fully_shard(module, mp_policy=precision)
-    fully_shard(model, mp_policy=precision)
+            fully_shard(module, mp_policy=precision, offload_policy=offload)
+    fully_shard(model, mp_policy=precision, offload_policy=offload)
     return model
+
+
+def compute_device(model):
+    """Where `model` computes: its parameters' device, or under CPU offload the device FSDP copies them to."""
+    return torch.device(_offload_device) if _offload_device else model.device
 
 
 def full_weights(model):
@@ -132,4 +163,6 @@ def full_weights(model):
     (under torchrun every rank must iterate: each gather is collective)."""
     from torch.distributed.tensor import DTensor
     for name, tensor in model.state_dict().items():
-        yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if isinstance(tensor, DTensor):  # an offloaded shard goes to the mesh's device first (as torch's own gather)
+            tensor = tensor.to(tensor.device_mesh.device_type).full_tensor()
+        yield name, tensor

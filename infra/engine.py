@@ -10,19 +10,22 @@ from infra import UserError, dist
 
 class HFGenerator:
     """Hugging Face `generate` backend (CPU or GPU). One process: it reads the live policy weights, nothing to sync.
-    Under torchrun the policy is sharded, so each rank generates with its own whole copy, refreshed by sync_weights."""
+    Under torchrun (or --offload-optimizer) the policy is sharded, so each rank generates with its own whole copy,
+    refreshed by sync_weights."""
     engine = "hf"
 
     def __init__(self, model, tokenizer, batch_size=256):
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
         self.stop_ids = stop_token_ids(model, tokenizer)
-        if dist.distributed():
+        if dist.sharded():
             from transformers import AutoModelForCausalLM
-            self.model = AutoModelForCausalLM.from_config(model.config, dtype=model.compute_dtype).to(model.device)
+            with torch.random.fork_rng(devices=[]):  # its random init (overwritten) must not move the run's RNG:
+                copy = AutoModelForCausalLM.from_config(model.config, dtype=model.compute_dtype)  # exact resume
+            self.model = copy.to(dist.compute_device(model))
             self.model.compute_dtype = model.compute_dtype
 
     def sync_weights(self, model):
-        if not dist.distributed():
+        if not dist.sharded():
             self.model = model
             return
         own = self.model.state_dict()
@@ -125,7 +128,7 @@ def check_generator(kind, device):
 def make_generator(kind, model, tokenizer, gpu_memory_utilization=0.3, seed=0):
     """The rollout engine for --generator, holding `model`'s current weights: `hf`; `vllm` (refused in one line
     when it cannot run); `auto`: vLLM when it imports and the policy is on a CUDA device, else HF."""
-    problem = vllm_problem(model.device.type) if kind != "hf" else None
+    problem = vllm_problem(dist.compute_device(model).type) if kind != "hf" else None
     if kind == "vllm" and problem:
         raise UserError(f"--generator vllm {problem}; or use --generator hf")
     if kind != "hf" and not problem:

@@ -24,8 +24,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from infra import UserError, data, dist
-from infra.checkpoint import _checkpoint_steps, find_checkpoint, load_checkpoint, save_checkpoint, seed_everything
+from infra import UserError, data, dist, memory
+from infra.checkpoint import (_checkpoint_steps, find_checkpoint, load_checkpoint, save_checkpoint,
+                              seed_everything)
 from infra.engine import check_generator, make_generator
 from infra.hub import check_model_source
 from infra.evaluate import eval_table, evaluate
@@ -59,6 +60,8 @@ class RunArgs:
     micro_batch_size: int = 8  # sequences per forward/backward; gradients accumulate up to a mini-batch
     micro_batch_tokens: int = 0  # pack micro-batches by padded tokens per forward instead, longest first (0: off)
     gradient_checkpointing: bool = True  # recompute activations in the backward pass (less memory, ~30% slower)
+    offload_optimizer: bool = False  # float32 weights, gradients and AdamW states in CPU memory (FSDP2 CPU offload)
+    gpu_memory_gib: float = 0.0  # plan for GPUs of this size and refuse a run that cannot fit (0: the device's own)
     eval_every: int = 50  # evaluate every N steps (and always at the first and last step; 0: only those)
     eval_problems: int = 0  # held-out problems per evaluation (0: all)
     eval_n: int = 32  # samples per held-out problem for avg@n and pass@k (published: 32)
@@ -284,7 +287,7 @@ def run_main(main):
     finally:
         for run in list(_OPEN_RUNS):
             run.close(hint)
-        if dist.distributed() and torch.distributed.is_initialized():
+        if dist.sharded() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
 
@@ -447,9 +450,10 @@ class Run:
     def __init__(self, args, trainer_file):
         self.args = args
         check_integrations(args)  # --tensorboard, --wandb-project: importable
-        self.device = dist.init_device(args.device)  # under torchrun: joins the process group
+        self.device = dist.init_device(args.device, args.offload_optimizer)  # torchrun or offload: a process group
         check_generator(args.generator, self.device)  # --generator vllm: runnable here
         check_model_source(args.model)  # a missing --model fails in one line, in seconds (offline too)
+        memory.check(args, trainer_file, self.device)  # the memory plan per GPU: refused here if it cannot fit
         self.dir = run_directory(args, trainer_file)  # a clash with an existing run fails before any model loads
         self.resume_path, self.resumed_step = resume_point(args.resume)[1:] if args.resume else (None, 0)
         self.train_rows = data.load_rows(args.dataset, "train", n_builtin=65536, seed=args.seed,

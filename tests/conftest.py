@@ -36,7 +36,6 @@ def shared_file(shared_data):
 @pytest.fixture(scope="session")
 def tiny_path():
     """The built-in tiny checkpoint directory (built on first use, then cached)."""
-    import common
     return infra.tiny.build_tiny_model()
 
 

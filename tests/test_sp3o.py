@@ -11,7 +11,6 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import common  # noqa: E402
 import sp3o  # noqa: E402
 import infra.run
 import infra.tiny
