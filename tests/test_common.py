@@ -532,7 +532,8 @@ def test_checkpoint_round_trip(tmp_path, tiny_path):
 
 
 def test_run_directory_refuses_to_reuse_a_run(tmp_path):
-    args = types.SimpleNamespace(resume="", run_name="r1", output_dir=str(tmp_path), model="tiny", seed=0)
+    args = types.SimpleNamespace(resume="", run_name="r1", output_dir=str(tmp_path), model="tiny", seed=0,
+                                eval_only=False)
     path = infra.run.run_directory(args, "grpo.py")
     assert path == os.path.join(str(tmp_path), "r1")
     os.makedirs(path)
