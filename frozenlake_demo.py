@@ -41,7 +41,7 @@ import torch
 from gymnasium.envs.toy_text.frozen_lake import generate_random_map
 from tqdm import tqdm
 
-import infra.run
+import infra.cli
 from sp3o import anchor_positions
 
 CRITICS = ("dense", "anchors", "tracking")
@@ -339,7 +339,7 @@ def plot_maps(maps_by_size, desc_by_size, path):
 
 
 def main():
-    args = infra.run.parse_args(Args)
+    args = infra.cli.parse_args(Args)
     torch.set_num_threads(args.threads)
     os.makedirs(args.out_dir, exist_ok=True)
     start = time.time()

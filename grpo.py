@@ -15,6 +15,7 @@ from typing import Literal
 import torch
 
 import common
+import infra.cli
 import infra.dist
 import infra.evaluate
 import infra.probes
@@ -22,8 +23,8 @@ import infra.run
 
 
 @dataclass
-class Args(infra.run.RunArgs):
-    """GRPO's knobs, each with its published value beside it (flags of every trainer: infra.run.RunArgs)."""
+class Args(infra.cli.RunArgs):
+    """GRPO's knobs, each with its published value beside it (flags of every trainer: infra.cli.RunArgs)."""
     prompts_per_step: int = 64  # prompts per rollout (published: 64)
     samples_per_prompt: int = 8  # G, samples per prompt (published: 8)
     max_response_tokens: int = 8192  # response length limit; truncated responses score 0 (published: 8192)
@@ -120,7 +121,7 @@ def check_args(args):
 
 
 def main():
-    args = infra.run.parse_args(Args, TINY_PRESET)
+    args = infra.cli.parse_args(Args, TINY_PRESET)
     check_args(args)
     run = infra.run.Run(args, __file__)  # device, run folder, data: bad input fails here, before any model loads
     policy, tokenizer = common.load_model(args.model, args.dtype, run.device, args.trust_remote_code,

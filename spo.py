@@ -29,6 +29,7 @@ from typing import Literal
 import torch
 
 import common
+import infra.cli
 import infra.dist
 import infra.evaluate
 import infra.probes
@@ -36,8 +37,8 @@ import infra.run
 
 
 @dataclass
-class Args(infra.run.RunArgs):
-    """SPO's knobs, each with its published value beside it (flags of every trainer: infra.run.RunArgs)."""
+class Args(infra.cli.RunArgs):
+    """SPO's knobs, each with its published value beside it (flags of every trainer: infra.cli.RunArgs)."""
     mode: Literal["chain", "tree"] = "chain"  # SPO-chain (short CoT: cutpoints + MC) or SPO-tree (long CoT)
     prompts_per_step: int = 64  # chain: prompts per rollout (published: 64, 512 episodes of 8 samples)
     samples_per_prompt: int = 8  # chain: samples per prompt (published: 8)
@@ -279,7 +280,7 @@ def check_args(args):
 
 
 def main():
-    args = infra.run.parse_args(Args, TINY_PRESET)
+    args = infra.cli.parse_args(Args, TINY_PRESET)
     check_args(args)
     run = infra.run.Run(args, __file__)  # device, run folder, data: bad input fails here, before any model loads
     policy, tokenizer = common.load_model(args.model, args.dtype, run.device, args.trust_remote_code,

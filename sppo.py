@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 
 import common
+import infra.cli
 import infra.dist
 import infra.evaluate
 import infra.probes
@@ -24,8 +25,8 @@ import infra.run
 
 
 @dataclass
-class Args(infra.run.RunArgs):
-    """SPPO's knobs, each with its published value beside it (flags of every trainer: infra.run.RunArgs)."""
+class Args(infra.cli.RunArgs):
+    """SPPO's knobs, each with its published value beside it (flags of every trainer: infra.cli.RunArgs)."""
     prompts_per_step: int = 512  # prompts per rollout (published: 512, the released 7B script)
     samples_per_prompt: int = 1  # samples per prompt (SPPO: 1, the critic is the baseline)
     critic_model: str = ""  # critic backbone (default: the policy's base model; a smaller one works too)
@@ -124,7 +125,7 @@ def check_args(args):
 
 
 def main():
-    args = infra.run.parse_args(Args, TINY_PRESET)
+    args = infra.cli.parse_args(Args, TINY_PRESET)
     check_args(args)
     run = infra.run.Run(args, __file__)  # device, run folder, data: bad input fails here, before any model loads
     policy, tokenizer = common.load_model(args.model, args.dtype, run.device, args.trust_remote_code,

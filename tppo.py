@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 
 import common
+import infra.cli
 import infra.dist
 import infra.evaluate
 import infra.probes
@@ -26,8 +27,8 @@ import infra.run
 
 
 @dataclass
-class Args(infra.run.RunArgs):
-    """TPPO's knobs, each with its published value beside it (flags of every trainer: infra.run.RunArgs)."""
+class Args(infra.cli.RunArgs):
+    """TPPO's knobs, each with its published value beside it (flags of every trainer: infra.cli.RunArgs)."""
     prompts_per_step: int = 64  # prompts per rollout (published: 64)
     samples_per_prompt: int = 8  # G, samples per prompt (published: 8)
     critic_model: str = ""  # critic backbone (default: the policy's base model; a smaller one works too)
@@ -172,7 +173,7 @@ def check_args(args):
 
 
 def main():
-    args = infra.run.parse_args(Args, TINY_PRESET)
+    args = infra.cli.parse_args(Args, TINY_PRESET)
     check_args(args)
     run = infra.run.Run(args, __file__)  # device, run folder, data: bad input fails here, before any model loads
     policy, tokenizer = common.load_model(args.model, args.dtype, run.device, args.trust_remote_code,

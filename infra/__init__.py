@@ -1,7 +1,10 @@
 """Plumbing the trainers share and a reader of a method file may skip: each module owns one concern.
 
-    run.py         the command line (a base Args of run flags), the run folder, the step loop's logging,
-                   evaluation schedule, checkpoints and Ctrl-C / SIGTERM
+    cli.py         the command line: RunArgs (the run flags every trainer shares), the CPU demo's preset, checks
+    run.py         Run: the loop's plumbing (evaluation schedule, checkpoints, Ctrl-C / SIGTERM, the summary)
+    resume.py      the run folder's name, clashes with an existing run, and --resume with the saved settings
+    log.py         config.json, metrics.jsonl, the step line, TensorBoard / W&B
+    plot.py        learning curves of runs side by side (python -m infra.plot runs/...)
     dist.py        torchrun and FSDP2: ranks, collectives, sharding
     memory.py      the memory plan per GPU, printed and checked before any model loads
     data.py        datasets (files in plain, verl or slime layout, hub ids, the built-in task), each row's answer

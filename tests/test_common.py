@@ -16,9 +16,11 @@ import torch
 
 import common
 import infra.checkpoint
+import infra.cli
 import infra.data
 import infra.engine
 import infra.evaluate
+import infra.resume
 import infra.run
 import infra.tiny
 import infra.verifier
@@ -273,38 +275,38 @@ TOY_PRESET = dict(steps=60, lr=1e-4, flag=True)
 
 
 def test_parse_args_tiny_preset_only_with_tiny_and_never_over_a_given_flag():
-    args = infra.run.parse_args(ToyArgs, TOY_PRESET, [])
+    args = infra.cli.parse_args(ToyArgs, TOY_PRESET, [])
     assert (args.steps, args.lr, args.flag) == (60, 1e-4, True)
-    args = infra.run.parse_args(ToyArgs, TOY_PRESET, ["--model", "tiny", "--steps", "7"])
+    args = infra.cli.parse_args(ToyArgs, TOY_PRESET, ["--model", "tiny", "--steps", "7"])
     assert (args.steps, args.lr) == (7, 1e-4)
-    args = infra.run.parse_args(ToyArgs, TOY_PRESET, ["--no-flag"])
+    args = infra.cli.parse_args(ToyArgs, TOY_PRESET, ["--no-flag"])
     assert args.flag is False  # the user's explicit value beats the preset's True
-    args = infra.run.parse_args(ToyArgs, TOY_PRESET, ["--model", "Qwen3-4B-Base"])
+    args = infra.cli.parse_args(ToyArgs, TOY_PRESET, ["--model", "Qwen3-4B-Base"])
     assert (args.steps, args.lr, args.flag) == (500, 1e-6, False)
-    args = infra.run.parse_args(ToyArgs, TOY_PRESET, ["--model", "Qwen3-4B-Base", "--lr", "2e-6"])
+    args = infra.cli.parse_args(ToyArgs, TOY_PRESET, ["--model", "Qwen3-4B-Base", "--lr", "2e-6"])
     assert (args.steps, args.lr) == (500, 2e-6)
 
 
 def test_parse_args_types():
-    args = infra.run.parse_args(ToyArgs, None, ["--betas", "0.8", "0.95", "--mode", "b-c", "--flag", "--no-on",
+    args = infra.cli.parse_args(ToyArgs, None, ["--betas", "0.8", "0.95", "--mode", "b-c", "--flag", "--no-on",
                                              "--steps", "3", "--lr", "0.5"])
     assert args.betas == (0.8, 0.95) and isinstance(args.betas, tuple)
     assert args.mode == "b-c" and args.flag is True and args.on is False
     assert args.steps == 3 and isinstance(args.steps, int) and args.lr == 0.5
-    assert infra.run.parse_args(ToyArgs, None, []).betas == (0.9, 0.999)
+    assert infra.cli.parse_args(ToyArgs, None, []).betas == (0.9, 0.999)
 
 
 def test_parse_args_errors_are_one_line(capsys):
     for argv in (["--mode", "z"], ["--steps", "x"], ["--bogus"]):
         with pytest.raises(SystemExit) as exit_info:
-            infra.run.parse_args(ToyArgs, None, argv)
+            infra.cli.parse_args(ToyArgs, None, argv)
         assert exit_info.value.code == 2
         assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
 def test_parse_args_help_shows_the_field_comments(capsys):
     with pytest.raises(SystemExit):
-        infra.run.parse_args(grpo.Args, grpo.TINY_PRESET, ["--help"])
+        infra.cli.parse_args(grpo.Args, grpo.TINY_PRESET, ["--help"])
     text = capsys.readouterr().out
     assert "PPO clip epsilon below 1" in text and "--samples-per-prompt" in text and "--no-tensorboard" in text
 
@@ -534,14 +536,14 @@ def test_checkpoint_round_trip(tmp_path, tiny_path):
 def test_run_directory_refuses_to_reuse_a_run(tmp_path):
     args = types.SimpleNamespace(resume="", run_name="r1", output_dir=str(tmp_path), model="tiny", seed=0,
                                 eval_only=False)
-    path = infra.run.run_directory(args, "grpo.py")
+    path = infra.resume.run_directory(args, "grpo.py")
     assert path == os.path.join(str(tmp_path), "r1")
     os.makedirs(path)
     open(os.path.join(path, "metrics.jsonl"), "w").close()
-    assert infra.run.run_directory(args, "grpo.py") == path  # left by a start that logged no step: reusable
+    assert infra.resume.run_directory(args, "grpo.py") == path  # left by a start that logged no step: reusable
     with open(os.path.join(path, "metrics.jsonl"), "w") as handle:
         handle.write('{"step": 0}\n')
     with pytest.raises(infra.UserError, match="--resume"):
-        infra.run.run_directory(args, "grpo.py")
+        infra.resume.run_directory(args, "grpo.py")
     resumed = dataclasses.replace(grpo.Args(), resume=os.path.join(path, "checkpoints", "step_000002"), run_name="")
-    assert infra.run.run_directory(resumed, "grpo.py") == os.path.abspath(path)
+    assert infra.resume.run_directory(resumed, "grpo.py") == os.path.abspath(path)

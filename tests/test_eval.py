@@ -14,6 +14,7 @@ sys.path.insert(0, ROOT)
 import common  # noqa: E402
 import infra.data
 import infra.evaluate
+import infra.log
 import infra.run
 import infra.tiny
 
@@ -127,7 +128,7 @@ def test_run_eval_only_logs_and_prints(tokenizer, tmp_path, capsys):
     run = object.__new__(infra.run.Run)  # what Run.__init__ and Run.start would have set up
     run.args, run.generator, run.tokenizer, run.eval_sets, run.start_step = EvalArgs(), generator, tokenizer, \
         {"tiny": rows}, 7
-    run.logger = infra.run.Logger(str(tmp_path), run.args)
+    run.logger = infra.log.Logger(str(tmp_path), run.args)
     metrics = run.evaluate_only()
     assert metrics["eval/tiny/avg@2"] == pytest.approx(0.5)
     record = json.loads(open(tmp_path / "metrics.jsonl").read().splitlines()[-1])

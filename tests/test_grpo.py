@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import common
+import infra.cli
 import infra.run
 import grpo
 
@@ -319,7 +320,7 @@ def test_generated_eos_gets_gradient_and_padding_none(tiny, same_pad_and_eos):
 # Argument checks before anything loads.
 # ----------------------------------------------------------------------------------------------
 def test_check_args_refuses_uneven_splits():
-    args = infra.run.parse_args(grpo.Args, grpo.TINY_PRESET, [])
+    args = infra.cli.parse_args(grpo.Args, grpo.TINY_PRESET, [])
     grpo.check_args(args)  # the demo settings: 16 x 8 = 128 samples, 2 mini-batches of one micro-batch of 64
     with pytest.raises(infra.UserError, match="samples-per-prompt"):
         grpo.check_args(dataclasses.replace(args, samples_per_prompt=1))
@@ -332,14 +333,14 @@ def test_check_args_refuses_uneven_splits():
 def test_check_args_accepts_a_micro_batch_larger_than_the_mini_batch():
     # --prompts-per-step 4 with the tiny preset (micro-batch 64): mini-batches of 16 are one micro-batch each.
     # This is the documented end-to-end recipe (`--steps 2 --prompts-per-step 4 ...`).
-    args = infra.run.parse_args(grpo.Args, grpo.TINY_PRESET, ["--prompts-per-step", "4"])
+    args = infra.cli.parse_args(grpo.Args, grpo.TINY_PRESET, ["--prompts-per-step", "4"])
     grpo.check_args(args)
 
 
 def test_grpo_args_tiny_preset_and_published_defaults():
-    tiny = infra.run.parse_args(grpo.Args, grpo.TINY_PRESET, [])
+    tiny = infra.cli.parse_args(grpo.Args, grpo.TINY_PRESET, [])
     assert (tiny.model, tiny.steps, tiny.lr, tiny.eval_n, tiny.eval_temperature) == ("tiny", 60, 1e-4, 1, 0.0)
-    real = infra.run.parse_args(grpo.Args, grpo.TINY_PRESET, ["--model", "Qwen3-4B-Base"])
+    real = infra.cli.parse_args(grpo.Args, grpo.TINY_PRESET, ["--model", "Qwen3-4B-Base"])
     # published settings (METHODS.md): 64 prompts x 8 samples, lr 1e-6, clip 0.2/0.2, 2 steps per rollout, 8192
     assert (real.steps, real.prompts_per_step, real.samples_per_prompt, real.lr) == (500, 64, 8, 1e-6)
     assert (real.clip_low, real.clip_high, real.mini_batches, real.max_response_tokens) == (0.2, 0.2, 2, 8192)

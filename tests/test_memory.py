@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 import infra.memory as memory
+import infra.cli
 import infra.run
 from infra.memory import GIB, QWEN3, Setup, Shape
 
@@ -184,10 +185,10 @@ def test_sp3o_with_a_4b_config_prints_the_plan_and_refuses_in_one_line(tmp_path)
 
 def test_no_plan_for_the_tiny_demo_and_one_line_for_a_hub_model_not_on_disk(capsys, monkeypatch):
     import sp3o
-    memory.check(infra.run.parse_args(sp3o.Args, sp3o.TINY_PRESET, []), "sp3o.py", "cpu")
+    memory.check(infra.cli.parse_args(sp3o.Args, sp3o.TINY_PRESET, []), "sp3o.py", "cpu")
     assert capsys.readouterr().out == ""  # the CPU demo prints no plan unless --gpu-memory-gib asks
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    memory.check(infra.run.parse_args(sp3o.Args, None, ["--model", "Qwen3-NotOnDisk-Base"]), "sp3o.py", "cpu")
+    memory.check(infra.cli.parse_args(sp3o.Args, None, ["--model", "Qwen3-NotOnDisk-Base"]), "sp3o.py", "cpu")
     assert capsys.readouterr().out == "memory plan: skipped, no config.json of 'Qwen3-NotOnDisk-Base' on disk " \
                                       "(a hub model not downloaded yet)\n"
 

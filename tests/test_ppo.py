@@ -133,11 +133,11 @@ def run_trainer(script, tmp_path, name, *extra):
 
 def test_published_defaults_are_sp3os_ppo_preset():
     import infra.run
-    args = infra.run.parse_args(ppo.Args, ppo.TINY_PRESET, ["--model", "Qwen3-4B-Base"])
+    args = infra.cli.parse_args(ppo.Args, ppo.TINY_PRESET, ["--model", "Qwen3-4B-Base"])
     assert (args.whiten_advantages, args.critic_warmup, args.aggregation) == (False, 20, "seq-mean")
     assert (args.lr, args.critic_lr, args.weight_decay, args.adam_betas) == (1e-6, 4e-6, 0.1, (0.9, 0.98))
-    assert infra.run.parse_args(ppo.Args, ppo.TINY_PRESET, []).critic_warmup == 5  # the 60-step demo
-    verl = infra.run.parse_args(ppo.Args, ppo.TINY_PRESET, ["--whiten-advantages", "--aggregation", "token-mean",
+    assert infra.cli.parse_args(ppo.Args, ppo.TINY_PRESET, []).critic_warmup == 5  # the 60-step demo
+    verl = infra.cli.parse_args(ppo.Args, ppo.TINY_PRESET, ["--whiten-advantages", "--aggregation", "token-mean",
                                                             "--critic-warmup", "0"])
     assert (verl.whiten_advantages, verl.aggregation, verl.critic_warmup) == (True, "token-mean", 0)
 

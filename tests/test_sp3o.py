@@ -12,6 +12,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import sp3o  # noqa: E402
+import infra.cli
 import infra.run
 import infra.tiny
 
@@ -148,13 +149,13 @@ def test_dense_seq_mean_weights_give_the_released_sum_of_sample_mean():
 
 
 def test_published_defaults_and_tiny_warmup():
-    args = infra.run.parse_args(sp3o.Args, sp3o.TINY_PRESET, ["--model", "Qwen3-4B-Base"])
+    args = infra.cli.parse_args(sp3o.Args, sp3o.TINY_PRESET, ["--model", "Qwen3-4B-Base"])
     assert (args.lr, args.critic_lr, args.weight_decay, args.adam_betas) == (1e-6, 4e-6, 0.1, (0.9, 0.98))
     assert (args.whiten_advantages, args.critic_warmup, args.anchor_ratios) == (False, 20, (0.3, 0.6, 0.9))
     assert (args.aggregation, args.truncated_is, args.tis_cap) == ("seq-mean", "auto", 2.0)  # per sample, then samples
     assert (args.prompts_per_step, args.samples_per_prompt, args.mini_batches, args.max_response_tokens) == (64, 8, 2, 8192)
-    assert infra.run.parse_args(sp3o.Args, sp3o.TINY_PRESET, []).critic_warmup == 5
-    ablation = infra.run.parse_args(sp3o.Args, sp3o.TINY_PRESET, ["--anchor-ratios", "0.2", "0.5", "0.8", "--tail-ratio", "0"])
+    assert infra.cli.parse_args(sp3o.Args, sp3o.TINY_PRESET, []).critic_warmup == 5
+    ablation = infra.cli.parse_args(sp3o.Args, sp3o.TINY_PRESET, ["--anchor-ratios", "0.2", "0.5", "0.8", "--tail-ratio", "0"])
     assert (ablation.anchor_ratios, ablation.tail_ratio) == ((0.2, 0.5, 0.8), 0.0)
 
 

@@ -13,6 +13,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import common  # noqa: E402
+import infra.cli
 import infra.run  # noqa: E402
 import spo  # noqa: E402
 
@@ -177,7 +178,7 @@ def test_cap_edges_keeps_at_most_cap_per_prompt():
 
 
 def test_published_defaults():
-    args = infra.run.parse_args(spo.Args, spo.TINY_PRESET, ["--model", "Qwen3-4B-Base"])
+    args = infra.cli.parse_args(spo.Args, spo.TINY_PRESET, ["--model", "Qwen3-4B-Base"])
     assert (args.cut_interval, args.mc_samples, args.prob_threshold, args.kl_coef) == (5, 9, 0.9, 1e-4)
     assert (args.mini_batches, args.epochs, args.weight_decay, args.lr_warmup) == (8, 2, 0.0, 0.03)
     assert (args.lr_schedule, args.adam_betas, args.temperature) == ("warmup-decay", (0.9, 0.999), 0.6)

@@ -90,7 +90,7 @@ def test_prompt_only_critic_reads_the_last_prompt_token():
 
 def test_published_defaults_of_the_released_7b_script():
     import infra.run
-    args = infra.run.parse_args(sppo.Args, sppo.TINY_PRESET, ["--model", "Qwen3-4B-Base"])
+    args = infra.cli.parse_args(sppo.Args, sppo.TINY_PRESET, ["--model", "Qwen3-4B-Base"])
     # run_R1-7B_DAPO_SEQUENCE.sh: 512 prompts x 1, PPO mini-batches of 32 prompts for actor and critic -> 16 steps
     assert (args.prompts_per_step, args.samples_per_prompt, args.mini_batches, args.epochs) == (512, 1, 16, 1)
     assert (args.adam_betas, args.critic_warmup, args.aggregation) == ((0.9, 0.999), 0, "token-mean")

@@ -14,6 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import common  # noqa: E402
 import tppo  # noqa: E402
+import infra.cli
 import infra.run
 
 
@@ -93,7 +94,7 @@ def test_critic_targets_are_the_outcome_with_lambda_critic_one():
 
 
 def test_table_5_settings_and_verl_defaults():
-    args = infra.run.parse_args(tppo.Args, tppo.TINY_PRESET, ["--model", "Qwen3-8B-Base"])
+    args = infra.cli.parse_args(tppo.Args, tppo.TINY_PRESET, ["--model", "Qwen3-8B-Base"])
     # TPPO's Table 5 (math): rollout top-p 0.95, 64 prompts, mini-batches of 32 prompts (2 steps), actor lr 1e-6
     assert (args.top_p, args.prompts_per_step, args.mini_batches, args.lr, args.temperature) == (0.95, 64, 2, 1e-6, 1.0)
     # not published: verl's defaults (whitened advantages, token-mean, no critic warm-up, AdamW 0.01 / 0.999)
@@ -102,9 +103,9 @@ def test_table_5_settings_and_verl_defaults():
 
 
 def test_lambda_defaults():
-    args = infra.run.parse_args(tppo.Args, tppo.TINY_PRESET, ["--model", "Qwen3-8B-Base"])
+    args = infra.cli.parse_args(tppo.Args, tppo.TINY_PRESET, ["--model", "Qwen3-8B-Base"])
     assert (args.lam_actor, args.lam_critic, args.critic_head, args.lr) == (0.95, 1.0, "shared", 1e-6)
-    assert infra.run.parse_args(tppo.Args, tppo.TINY_PRESET, ["--lam-actor", "1"]).lam_actor == 1.0
+    assert infra.cli.parse_args(tppo.Args, tppo.TINY_PRESET, ["--lam-actor", "1"]).lam_actor == 1.0
 
 
 @pytest.mark.parametrize("head", ["shared", "separate"])
