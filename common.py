@@ -254,7 +254,8 @@ class SequenceBatch:
         width = max(1, int(response_mask.sum(1).max()))
         right = self.input_ids.shape[1] - self.response_width + width
         return SequenceBatch(self.input_ids[rows, left:right], attention_mask[:, left:right],
-                             self.position_ids[rows, left:right], self.response_ids[rows, :width], response_mask[:, :width])
+                             self.position_ids[rows, left:right], self.response_ids[rows, :width],
+                             response_mask[:, :width])
 
 
 def sequence_batch(prompts, responses, pad_id):
@@ -321,8 +322,9 @@ def response_logprobs(model, batch, temperature=1.0):
     return token_logprobs(logits, targets, temperature)[:, :-1]
 
 
-def response_values(critic, batch):
-    """[B, T] scalar outputs of a value-head model at the states before each response token."""
+def critic_outputs(critic, batch):
+    """[B, T] the scalar head's raw outputs at the states before each response token: a value V(s_t) for the ppo.py
+    family's critics, a logit f(x) for SPPO's (whose V(x) = sigmoid(f(x)))."""
     return forward(critic, batch).logits[:, -batch.response_width - 1:-1, 0].float()
 
 

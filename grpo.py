@@ -40,7 +40,8 @@ class Args(infra.cli.RunArgs):
     tis_cap: float = 2.0  # cap of the truncated importance weights (published: 2.0, SP3O's released setting)
     clip_low: float = 0.2  # PPO clip epsilon below 1 (published: 0.2)
     clip_high: float = 0.2  # PPO clip epsilon above 1 (0.28 is DAPO's clip-higher; published default 0.2)
-    aggregation: Literal["token-mean", "seq-mean", "sum-max-len"] = "token-mean"  # loss reduction (sum-max-len: Dr. GRPO)
+    # loss reduction (sum-max-len: Dr. GRPO)
+    aggregation: Literal["token-mean", "seq-mean", "sum-max-len"] = "token-mean"
     advantage_scale: Literal["group", "batch", "none"] = "group"  # divide by group std, batch std, or not (Dr. GRPO)
     kl_coef: float = 0.0  # beta of the k3 KL to a frozen reference (0: no reference model is loaded)
 
@@ -115,7 +116,8 @@ def check_args(args):
         raise infra.UserError("--samples-per-prompt must be at least 2: GRPO's baseline is the mean of a group")
     rollout_size = args.prompts_per_step * args.samples_per_prompt
     mini_batch_size = rollout_size // args.mini_batches
-    if rollout_size % args.mini_batches or not mini_batch_size or mini_batch_size % min(args.micro_batch_size, mini_batch_size):
+    if rollout_size % args.mini_batches or not mini_batch_size \
+            or mini_batch_size % min(args.micro_batch_size, mini_batch_size):
         raise infra.UserError(f"a rollout of {rollout_size} samples does not split into {args.mini_batches} "
                                f"mini-batches of whole micro-batches of {args.micro_batch_size}")
 
@@ -128,8 +130,10 @@ def main():
                                           gradient_checkpointing=args.gradient_checkpointing)
     reference = None
     if args.kl_coef > 0:
-        reference = common.load_model(args.model, args.dtype, run.device, args.trust_remote_code)[0].requires_grad_(False)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=args.adam_betas, weight_decay=args.weight_decay)
+        reference = common.load_model(args.model, args.dtype, run.device, args.trust_remote_code)[0]
+        reference.requires_grad_(False)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=args.adam_betas,
+                                  weight_decay=args.weight_decay)
     models, optimizers = {"policy": policy}, {"policy": optimizer}
     generator = run.start(models, optimizers, tokenizer)  # logs, --resume's checkpoint, the rollout engine
     if args.eval_only:  # evaluate and exit, through the same code as the evaluations during training
@@ -145,7 +149,7 @@ def main():
                                          args.temperature, args.top_p)
         # 2. Reward: 1 for a correct final answer, 0 otherwise and for a truncated response.
         rewards = torch.tensor([common.score(c.text, rows[c.prompt_index])
-                                if c.finish_reason == "stop" else 0.0 for c in completions])
+                                if c.finish_reason == "stop" else 0.0 for c in completions], device=run.device)
         batch = common.sequence_batch([prompts[c.prompt_index] for c in completions],
                                       [c.token_ids for c in completions], tokenizer.pad_token_id).to(run.device)
         mask = batch.response_mask
@@ -154,8 +158,9 @@ def main():
         old_logprobs = common.batched(lambda micro: common.response_logprobs(policy, micro, args.temperature),
                                       batch, args.micro_batch_size, args.micro_batch_tokens)
         if reference is not None:
-            reference_logprobs = common.batched(lambda micro: common.response_logprobs(reference, micro, args.temperature),
-                                                batch, args.micro_batch_size, args.micro_batch_tokens)
+            reference_logprobs = common.batched(
+                lambda micro: common.response_logprobs(reference, micro, args.temperature),
+                batch, args.micro_batch_size, args.micro_batch_tokens)
         advantages = infra.dist.rank_share(group_advantages(  # over the whole rollout: --advantage-scale batch needs it
             infra.dist.gather_all(rewards), args.samples_per_prompt, args.advantage_scale)).to(run.device)
         token_advantages = advantages[:, None].expand_as(old_logprobs)
@@ -171,20 +176,22 @@ def main():
                 counts = dict(num_sequences=len(mini_batch), num_tokens=infra.dist.rank_mean(mask[mini_batch].sum()),
                               max_length=args.max_response_tokens)
                 mini_batch_loss = 0.0
-                for micro in common.micro_batches(mini_batch, batch.lengths(), args.micro_batch_size, args.micro_batch_tokens):
+                for micro in common.micro_batches(mini_batch, batch.lengths(), args.micro_batch_size,
+                                                  args.micro_batch_tokens):
                     micro_batch = batch.select(micro)
                     micro_mask, width = micro_batch.response_mask, micro_batch.response_width
                     logprobs = common.response_logprobs(policy, micro_batch, args.temperature)
-                    loss, clip_fraction = policy_loss(logprobs, old_logprobs[micro, :width],
-                                                      token_advantages[micro, :width], micro_mask,
-                                                      args.clip_low, args.clip_high, args.aggregation, **counts)
+                    loss, clip_fraction = policy_loss(
+                        logprobs, old_logprobs[micro, :width], token_advantages[micro, :width], micro_mask,
+                        args.clip_low, args.clip_high, args.aggregation, **counts)
                     if reference is not None:
                         kl = k3_kl(logprobs, reference_logprobs[micro, :width])
                         loss = loss + args.kl_coef * aggregate(kl, micro_mask, args.aggregation, **counts)
                     loss.backward()
                     mini_batch_loss += loss.item()
                     history["clip_fraction"].append(clip_fraction.item())
-                    history["approx_kl"].append(k3_kl(old_logprobs[micro, :width], logprobs.detach())[micro_mask].mean().item())
+                    kl = k3_kl(old_logprobs[micro, :width], logprobs.detach())
+                    history["approx_kl"].append(kl[micro_mask].mean().item())
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
                 finite = run.update_ok(step, grad_norm)  # too many skips in a row: save, stop
                 if finite:  # a non-finite gradient skips the step, weights untouched

@@ -50,9 +50,9 @@ class Args(infra.cli.RunArgs):
     lam_critic: float = 1.0  # GAE lambda of the critic's returns (published: 1.0)
     whiten_advantages: bool = False  # normalize advantages over the batch's valid tokens (published: off; verl: on)
     critic_warmup: int = 20  # first N rollouts train only the critic, densely; the actor waits (published: 20; verl: 0)
-    anchor_ratios: tuple[float, ...] = (0.3, 0.6, 0.9)  # anchors at these fractions of a response (published; ablations: 0.2 0.5 0.8, K = 8, 16)
-    anchor_placement: Literal["fixed", "random"] = "fixed"  # random: as many uniform ratios, drawn per sample (ablation)
-    tail_ratio: float = 0.95  # one more anchor, uncapped, on responses of tail-min-len tokens or more (published; 0: none)
+    anchor_ratios: tuple[float, ...] = (0.3, 0.6, 0.9)  # response fractions (published; ablated 0.2 0.5 0.8, K=8/16)
+    anchor_placement: Literal["fixed", "random"] = "fixed"  # random: uniform ratios drawn per sample (ablation)
+    tail_ratio: float = 0.95  # an extra uncapped anchor on responses >= tail-min-len tokens (published; 0: none)
     tail_min_len: int = 6144  # response length from which the tail anchor is added (published: 6144)
     probe_every: int = 0  # critic diagnostics every N steps: critic vs Monte Carlo values on held-out prompts (0: off)
     probe_prompts: int = 16  # held-out prompts per probe, one sampled response each
@@ -178,7 +178,8 @@ def check_args(args):
         raise infra.UserError(f"--anchor-ratios {args.anchor_ratios}: give ratios in (0, 1], e.g. 0.3 0.6 0.9")
     rollout_size = args.prompts_per_step * args.samples_per_prompt
     mini_batch_size = rollout_size // args.mini_batches
-    if rollout_size % args.mini_batches or not mini_batch_size or mini_batch_size % min(args.micro_batch_size, mini_batch_size):
+    if rollout_size % args.mini_batches or not mini_batch_size \
+            or mini_batch_size % min(args.micro_batch_size, mini_batch_size):
         raise infra.UserError(f"a rollout of {rollout_size} samples does not split into {args.mini_batches} "
                                f"mini-batches of whole micro-batches of {args.micro_batch_size}")
 
@@ -191,8 +192,10 @@ def main():
                                           gradient_checkpointing=args.gradient_checkpointing)
     reference = None
     if args.kl_coef > 0:
-        reference = common.load_model(args.model, args.dtype, run.device, args.trust_remote_code)[0].requires_grad_(False)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=args.adam_betas, weight_decay=args.weight_decay)
+        reference = common.load_model(args.model, args.dtype, run.device, args.trust_remote_code)[0]
+        reference.requires_grad_(False)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=args.adam_betas,
+                                  weight_decay=args.weight_decay)
     critic = common.load_model(args.critic_model or args.model, args.dtype, run.device, args.trust_remote_code,
                                value_head=1, gradient_checkpointing=args.gradient_checkpointing)[0]
     critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, betas=args.adam_betas,
@@ -206,7 +209,7 @@ def main():
         history = defaultdict(list)
         if args.probe_every and step % args.probe_every == 0:  # critic vs Monte Carlo values (SP3O, TPPO diagnostics)
             metrics.update(infra.probes.probe_critic(generator, tokenizer, run.probe_rows,
-                lambda micro: common.response_values(critic, micro), args,
+                lambda micro: common.critic_outputs(critic, micro), args,
                 critic, run.device))
         # 1. Rollout: G samples for each prompt.
         step_start = time.time()
@@ -216,7 +219,7 @@ def main():
                                          args.temperature, args.top_p)
         # 2. Reward: 1 for a correct final answer, 0 otherwise and for a truncated response.
         rewards = torch.tensor([common.score(c.text, rows[c.prompt_index])
-                                if c.finish_reason == "stop" else 0.0 for c in completions])
+                                if c.finish_reason == "stop" else 0.0 for c in completions], device=run.device)
         batch = common.sequence_batch([prompts[c.prompt_index] for c in completions],
                                       [c.token_ids for c in completions], tokenizer.pad_token_id).to(run.device)
         mask = batch.response_mask
@@ -225,9 +228,10 @@ def main():
         old_logprobs = common.batched(lambda micro: common.response_logprobs(policy, micro, args.temperature),
                                       batch, args.micro_batch_size, args.micro_batch_tokens)
         if reference is not None:
-            reference_logprobs = common.batched(lambda micro: common.response_logprobs(reference, micro, args.temperature),
-                                                batch, args.micro_batch_size, args.micro_batch_tokens)
-        old_values = common.batched(lambda micro: common.response_values(critic, micro), batch, args.micro_batch_size,
+            reference_logprobs = common.batched(
+                lambda micro: common.response_logprobs(reference, micro, args.temperature),
+                batch, args.micro_batch_size, args.micro_batch_tokens)
+        old_values = common.batched(lambda micro: common.critic_outputs(critic, micro), batch, args.micro_batch_size,
                                     args.micro_batch_tokens)
         token_rewards = terminal_rewards(rewards, mask)
         token_advantages, returns = gae(token_rewards, old_values, mask, args.gamma, args.lam_actor)
@@ -254,19 +258,20 @@ def main():
                               max_length=args.max_response_tokens)
                 critic_tokens = infra.dist.rank_mean(critic_weights[mini_batch].sum())
                 mini_batch_loss = mini_batch_value_loss = 0.0
-                for micro in common.micro_batches(mini_batch, batch.lengths(), args.micro_batch_size, args.micro_batch_tokens):
+                for micro in common.micro_batches(mini_batch, batch.lengths(), args.micro_batch_size,
+                                                  args.micro_batch_tokens):
                     micro_batch = batch.select(micro)
                     micro_mask, width = micro_batch.response_mask, micro_batch.response_width
                     logprobs = common.response_logprobs(policy, micro_batch, args.temperature)
-                    loss, clip_fraction = policy_loss(logprobs, old_logprobs[micro, :width],
-                                                      token_advantages[micro, :width], micro_mask,
-                                                      args.clip_low, args.clip_high, args.aggregation, **counts)
+                    loss, clip_fraction = policy_loss(
+                        logprobs, old_logprobs[micro, :width], token_advantages[micro, :width], micro_mask,
+                        args.clip_low, args.clip_high, args.aggregation, **counts)
                     if reference is not None:
                         kl = k3_kl(logprobs, reference_logprobs[micro, :width])
                         loss = loss + args.kl_coef * aggregate(kl, micro_mask, args.aggregation, **counts)
                     if not actor_frozen:
                         loss.backward()
-                    values = common.response_values(critic, micro_batch)
+                    values = common.critic_outputs(critic, micro_batch)
                     critic_loss = value_loss(values, old_values[micro, :width], returns[micro, :width],
                                              critic_weights[micro, :width], args.value_clip,
                                              num_tokens=critic_tokens)
@@ -274,7 +279,8 @@ def main():
                     mini_batch_loss += loss.item()
                     mini_batch_value_loss += critic_loss.item()
                     history["clip_fraction"].append(clip_fraction.item())
-                    history["approx_kl"].append(k3_kl(old_logprobs[micro, :width], logprobs.detach())[micro_mask].mean().item())
+                    kl = k3_kl(old_logprobs[micro, :width], logprobs.detach())
+                    history["approx_kl"].append(kl[micro_mask].mean().item())
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
                 critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip)
                 finite = run.update_ok(step, grad_norm, critic_grad_norm)  # too many skips in a row: save, stop

@@ -60,7 +60,8 @@ MAX_LOG_RATIO = 20.0  # log-ratios are clamped to +-this before exp, in the poli
 
 
 def sequence_advantages(rewards, value_logits):
-    """A = R - sigmoid(f(x)) per sequence (SPPO: one bandit action), not whitened; given to every response token."""
+    """A = R - sigmoid(f(x)) per sequence (SPPO: one bandit action), not whitened; given to every response token.
+    f(x): the critic's output before this rollout's update (its steps come first in each mini-batch)."""
     return rewards - torch.sigmoid(value_logits)
 
 
@@ -119,7 +120,8 @@ def value_loss(value_logits, rewards, num_sequences=None):
 def check_args(args):
     rollout_size = args.prompts_per_step * args.samples_per_prompt
     mini_batch_size = rollout_size // args.mini_batches
-    if rollout_size % args.mini_batches or not mini_batch_size or mini_batch_size % min(args.micro_batch_size, mini_batch_size):
+    if rollout_size % args.mini_batches or not mini_batch_size \
+            or mini_batch_size % min(args.micro_batch_size, mini_batch_size):
         raise infra.UserError(f"a rollout of {rollout_size} samples does not split into {args.mini_batches} "
                                f"mini-batches of whole micro-batches of {args.micro_batch_size}")
 
@@ -132,8 +134,10 @@ def main():
                                           gradient_checkpointing=args.gradient_checkpointing)
     reference = None
     if args.kl_coef > 0:
-        reference = common.load_model(args.model, args.dtype, run.device, args.trust_remote_code)[0].requires_grad_(False)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=args.adam_betas, weight_decay=args.weight_decay)
+        reference = common.load_model(args.model, args.dtype, run.device, args.trust_remote_code)[0]
+        reference.requires_grad_(False)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=args.adam_betas,
+                                  weight_decay=args.weight_decay)
     critic = common.load_model(args.critic_model or args.model, args.dtype, run.device, args.trust_remote_code,
                                value_head=1, gradient_checkpointing=args.gradient_checkpointing)[0]
     critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, betas=args.adam_betas,
@@ -147,7 +151,7 @@ def main():
         history = defaultdict(list)
         if args.probe_every and step % args.probe_every == 0:  # critic vs Monte Carlo values (SP3O, TPPO diagnostics)
             metrics.update(infra.probes.probe_critic(generator, tokenizer, run.probe_rows,
-                lambda micro: torch.sigmoid(common.response_values(critic, micro)), args,
+                lambda micro: torch.sigmoid(common.critic_outputs(critic, micro)), args,
                 critic, run.device, prompt_only=True))  # V(x) = sigmoid(f(x))
         # 1. Rollout: G samples for each prompt.
         step_start = time.time()
@@ -157,7 +161,7 @@ def main():
                                          args.temperature, args.top_p)
         # 2. Reward: 1 for a correct final answer, 0 otherwise and for a truncated response.
         rewards = torch.tensor([common.score(c.text, rows[c.prompt_index])
-                                if c.finish_reason == "stop" else 0.0 for c in completions])
+                                if c.finish_reason == "stop" else 0.0 for c in completions], device=run.device)
         batch = common.sequence_batch([prompts[c.prompt_index] for c in completions],
                                       [c.token_ids for c in completions], tokenizer.pad_token_id).to(run.device)
         prompt_batch = common.sequence_batch([prompts[c.prompt_index] for c in completions], [[] for _ in completions],
@@ -168,13 +172,13 @@ def main():
         old_logprobs = common.batched(lambda micro: common.response_logprobs(policy, micro, args.temperature),
                                       batch, args.micro_batch_size, args.micro_batch_tokens)
         if reference is not None:
-            reference_logprobs = common.batched(lambda micro: common.response_logprobs(reference, micro, args.temperature),
-                                                batch, args.micro_batch_size, args.micro_batch_tokens)
-        old_value_logits = common.batched(lambda micro: common.response_values(critic, micro), prompt_batch,
-                                          args.micro_batch_size, args.micro_batch_tokens)[:, 0]  # f(x) at the last prompt token
-        advantages = sequence_advantages(rewards.to(run.device), old_value_logits)  # values from before this rollout's update
-        token_advantages = advantages[:, None].expand_as(old_logprobs)
-        metrics["explained_variance"] = infra.probes.explained_variance(torch.sigmoid(old_value_logits), rewards.to(run.device), mask.any(1))
+            reference_logprobs = common.batched(
+                lambda micro: common.response_logprobs(reference, micro, args.temperature),
+                batch, args.micro_batch_size, args.micro_batch_tokens)
+        old_value_logits = common.batched(lambda micro: common.critic_outputs(critic, micro), prompt_batch,
+                                          args.micro_batch_size, args.micro_batch_tokens)[:, 0]  # f(x) at prompt end
+        token_advantages = sequence_advantages(rewards, old_value_logits)[:, None].expand_as(old_logprobs)
+        metrics["explained_variance"] = infra.probes.explained_variance(old_value_logits.sigmoid(), rewards, mask[:, 0])
         actor_frozen = step < args.critic_warmup  # critic warm-up: the actor waits
         if truncated_is:  # A_t times min(pi_trainer / pi_engine, cap): the engine sampled the rollout
             token_advantages = token_advantages * truncated_importance_weights(
@@ -188,16 +192,17 @@ def main():
                 counts = dict(num_sequences=len(mini_batch), num_tokens=infra.dist.rank_mean(mask[mini_batch].sum()),
                               max_length=args.max_response_tokens)
                 mini_batch_loss = mini_batch_value_loss = 0.0
-                for micro in common.micro_batches(mini_batch, batch.lengths(), args.micro_batch_size, args.micro_batch_tokens):
-                    value_logits = common.response_values(critic, prompt_batch.select(micro))[:, 0]
-                    critic_loss = value_loss(value_logits, rewards[micro].to(run.device), len(mini_batch))
+                for micro in common.micro_batches(mini_batch, batch.lengths(), args.micro_batch_size,
+                                                  args.micro_batch_tokens):
+                    value_logits = common.critic_outputs(critic, prompt_batch.select(micro))[:, 0]
+                    critic_loss = value_loss(value_logits, rewards[micro], len(mini_batch))
                     critic_loss.backward()  # the critic's loss and step come first (SPPO)
                     micro_batch = batch.select(micro)
                     micro_mask, width = micro_batch.response_mask, micro_batch.response_width
                     logprobs = common.response_logprobs(policy, micro_batch, args.temperature)
-                    loss, clip_fraction = policy_loss(logprobs, old_logprobs[micro, :width],
-                                                      token_advantages[micro, :width], micro_mask,
-                                                      args.clip_low, args.clip_high, args.aggregation, args.dual_clip, **counts)
+                    loss, clip_fraction = policy_loss(
+                        logprobs, old_logprobs[micro, :width], token_advantages[micro, :width], micro_mask,
+                        args.clip_low, args.clip_high, args.aggregation, args.dual_clip, **counts)
                     if reference is not None:
                         kl = k3_kl(logprobs, reference_logprobs[micro, :width])
                         loss = loss + args.kl_coef * aggregate(kl, micro_mask, args.aggregation, **counts)
@@ -206,7 +211,8 @@ def main():
                     mini_batch_loss += loss.item()
                     mini_batch_value_loss += critic_loss.item()
                     history["clip_fraction"].append(clip_fraction.item())
-                    history["approx_kl"].append(k3_kl(old_logprobs[micro, :width], logprobs.detach())[micro_mask].mean().item())
+                    kl = k3_kl(old_logprobs[micro, :width], logprobs.detach())
+                    history["approx_kl"].append(kl[micro_mask].mean().item())
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
                 critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip)
                 finite = run.update_ok(step, grad_norm, critic_grad_norm)  # too many skips in a row: save, stop

@@ -46,12 +46,14 @@ class Args(infra.cli.RunArgs):
     tis_cap: float = 2.0  # cap of the truncated importance weights (published: 2.0, SP3O's released setting)
     clip_low: float = 0.2  # PPO clip epsilon below 1 (published: 0.2)
     clip_high: float = 0.2  # PPO clip epsilon above 1 (0.28 is DAPO's clip-higher; published default 0.2)
-    critic_head: Literal["shared", "separate"] = "shared"  # z_0 from the increments' head (main variant) or a second output
+    # z_0 from the increments' head (main variant) or a second output
+    critic_head: Literal["shared", "separate"] = "shared"
     gamma: float = 1.0  # GAE discount (published: 1.0)
     # lam_actor: the paper ablates 1, 0.95 and 0 and does not publish its default. We take 0.95 (VC-PPO's decoupled
     # GAE, lam_critic = 1): the tracked value changes V_{t+1} - V_t then shape the advantage, which is what this critic
     # is built to get right; 1 uses the critic only as a baseline (A_t = R - V_t), 0 trusts it alone.
-    lam_actor: float = 0.95  # GAE lambda of the policy's advantages (not published; 0.95: see the comment in tppo.py; 1 is ppo.py's)
+    # GAE lambda of the policy's advantages (not published; 0.95: see the comment in tppo.py; 1 is ppo.py's)
+    lam_actor: float = 0.95
     lam_critic: float = 1.0  # GAE lambda of the critic's returns (published: 1.0)
     whiten_advantages: bool = True  # normalize advantages over the batch's valid tokens (not published; verl: on)
     critic_warmup: int = 0  # first N rollouts train only the critic, the actor frozen (not published; verl: 0)
@@ -167,7 +169,8 @@ def value_loss(value_logits, returns, mask, **counts):
 def check_args(args):
     rollout_size = args.prompts_per_step * args.samples_per_prompt
     mini_batch_size = rollout_size // args.mini_batches
-    if rollout_size % args.mini_batches or not mini_batch_size or mini_batch_size % min(args.micro_batch_size, mini_batch_size):
+    if rollout_size % args.mini_batches or not mini_batch_size \
+            or mini_batch_size % min(args.micro_batch_size, mini_batch_size):
         raise infra.UserError(f"a rollout of {rollout_size} samples does not split into {args.mini_batches} "
                                f"mini-batches of whole micro-batches of {args.micro_batch_size}")
 
@@ -180,8 +183,10 @@ def main():
                                           gradient_checkpointing=args.gradient_checkpointing)
     reference = None
     if args.kl_coef > 0:
-        reference = common.load_model(args.model, args.dtype, run.device, args.trust_remote_code)[0].requires_grad_(False)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=args.adam_betas, weight_decay=args.weight_decay)
+        reference = common.load_model(args.model, args.dtype, run.device, args.trust_remote_code)[0]
+        reference.requires_grad_(False)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=args.adam_betas,
+                                  weight_decay=args.weight_decay)
     critic_outputs = 2 if args.critic_head == "separate" else 1  # separate: a second output reads z_0
     critic = common.load_model(args.critic_model or args.model, args.dtype, run.device, args.trust_remote_code,
                                value_head=critic_outputs, gradient_checkpointing=args.gradient_checkpointing)[0]
@@ -208,7 +213,7 @@ def main():
                                          args.temperature, args.top_p)
         # 2. Reward: 1 for a correct final answer, 0 otherwise and for a truncated response.
         rewards = torch.tensor([common.score(c.text, rows[c.prompt_index])
-                                if c.finish_reason == "stop" else 0.0 for c in completions])
+                                if c.finish_reason == "stop" else 0.0 for c in completions], device=run.device)
         batch = common.sequence_batch([prompts[c.prompt_index] for c in completions],
                                       [c.token_ids for c in completions], tokenizer.pad_token_id).to(run.device)
         mask = batch.response_mask
@@ -217,8 +222,9 @@ def main():
         old_logprobs = common.batched(lambda micro: common.response_logprobs(policy, micro, args.temperature),
                                       batch, args.micro_batch_size, args.micro_batch_tokens)
         if reference is not None:
-            reference_logprobs = common.batched(lambda micro: common.response_logprobs(reference, micro, args.temperature),
-                                                batch, args.micro_batch_size, args.micro_batch_tokens)
+            reference_logprobs = common.batched(
+                lambda micro: common.response_logprobs(reference, micro, args.temperature),
+                batch, args.micro_batch_size, args.micro_batch_tokens)
         old_values = torch.sigmoid(common.batched(lambda micro: critic_logits(critic, micro, args.critic_head), batch,
                                                   args.micro_batch_size, args.micro_batch_tokens))
         token_rewards = terminal_rewards(rewards, mask)
@@ -241,13 +247,14 @@ def main():
                 counts = dict(num_sequences=len(mini_batch), num_tokens=infra.dist.rank_mean(mask[mini_batch].sum()),
                               max_length=args.max_response_tokens)
                 mini_batch_loss = mini_batch_value_loss = 0.0
-                for micro in common.micro_batches(mini_batch, batch.lengths(), args.micro_batch_size, args.micro_batch_tokens):
+                for micro in common.micro_batches(mini_batch, batch.lengths(), args.micro_batch_size,
+                                                  args.micro_batch_tokens):
                     micro_batch = batch.select(micro)
                     micro_mask, width = micro_batch.response_mask, micro_batch.response_width
                     logprobs = common.response_logprobs(policy, micro_batch, args.temperature)
-                    loss, clip_fraction = policy_loss(logprobs, old_logprobs[micro, :width],
-                                                      token_advantages[micro, :width], micro_mask,
-                                                      args.clip_low, args.clip_high, args.aggregation, **counts)
+                    loss, clip_fraction = policy_loss(
+                        logprobs, old_logprobs[micro, :width], token_advantages[micro, :width], micro_mask,
+                        args.clip_low, args.clip_high, args.aggregation, **counts)
                     if reference is not None:
                         kl = k3_kl(logprobs, reference_logprobs[micro, :width])
                         loss = loss + args.kl_coef * aggregate(kl, micro_mask, args.aggregation, **counts)
@@ -259,7 +266,8 @@ def main():
                     mini_batch_loss += loss.item()
                     mini_batch_value_loss += critic_loss.item()
                     history["clip_fraction"].append(clip_fraction.item())
-                    history["approx_kl"].append(k3_kl(old_logprobs[micro, :width], logprobs.detach())[micro_mask].mean().item())
+                    kl = k3_kl(old_logprobs[micro, :width], logprobs.detach())
+                    history["approx_kl"].append(kl[micro_mask].mean().item())
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
                 critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip)
                 finite = run.update_ok(step, grad_norm, critic_grad_norm)  # too many skips in a row: save, stop

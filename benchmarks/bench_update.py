@@ -108,7 +108,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if cuda else "cpu", help="cpu or cuda")
     parser.add_argument("--models", nargs="+", default=["tiny", "qwen3-0.6b-shape"], help="tiny, qwen3-0.6b-shape")
-    parser.add_argument("--dtype", default="", help="compute dtype; weights stay float32, as in the trainers (default: bfloat16 on GPU, float32 on CPU)")
+    parser.add_argument("--dtype", default="", help="compute dtype; weights stay float32, as in the trainers "
+                        "(default: bfloat16 on GPU, float32 on CPU)")
     parser.add_argument("--batch-size", type=int, default=0, help="sequences per update step (default: 2 CPU, 16 GPU)")
     parser.add_argument("--prompt-length", type=int, default=0, help="prompt tokens (default: 64 CPU, 256 GPU)")
     parser.add_argument("--response-length", type=int, default=0, help="response tokens (default: 192 CPU, 768 GPU)")
@@ -147,7 +148,8 @@ def main():
         parameters = sum(p.numel() for p in model.parameters())
         batch = random_batch(vocab, args.batch_size, args.prompt_length, args.response_length, args.device)
         tokens = batch.input_ids.numel()
-        seconds, steps = timed(lambda model=model: update_step(model, batch), args.device, args.warmup, args.min_seconds)
+        seconds, steps = timed(lambda model=model: update_step(model, batch), args.device, args.warmup,
+                               args.min_seconds)
         memory = peak_memory_gib(args.device)
         mfu = 6 * parameters * tokens / seconds / args.peak_flops if on_gpu else None
         generate = generate_tokens_per_second(model, args, vocab)
@@ -159,7 +161,8 @@ def main():
     for name, parameters, tokens, steps, seconds, rate, mfu, generate, memory in rows:
         print(f"| {name} | {parameters / 1e6:.1f}M | {tokens} | {steps} | {seconds:.2f} | {rate:,.0f} | "
               f"{'-' if mfu is None else f'{100 * mfu:.1f}%'} | {generate:,.1f} | {memory:.2f} |")
-    measure = "torch.cuda.max_memory_allocated" if on_gpu else "the process's peak resident set (VmHWM), reset per model"
+    measure = "torch.cuda.max_memory_allocated" if on_gpu else \
+        "the process's peak resident set (VmHWM), reset per model"
     print(f"\nload average after: {os.getloadavg()[0]:.2f}; peak memory: {measure}")
 
 

@@ -50,7 +50,8 @@ def main():
     os.makedirs(os.path.join(ROOT, os.path.dirname(args.results)), exist_ok=True)
     results = []
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        jobs = [pool.submit(run, method, seed, args.output_dir, extra) for method in args.methods for seed in args.seeds]
+        jobs = [pool.submit(run, method, seed, args.output_dir, extra)
+                for method in args.methods for seed in args.seeds]
         for job in concurrent.futures.as_completed(jobs):
             result = job.result()
             print(json.dumps(result), flush=True)
@@ -73,7 +74,8 @@ def main():
         mc = sum(r["mc_tokens"] for r in rows) / len(rows)
         policy = sum(r["policy_tokens"] for r in rows) / len(rows)
         cost = f"{mc:,.0f} per run ({100 * mc / policy:.0f}% of the policy's {policy:,.0f})" if mc and policy else "-"
-        print(f"| {method} | {stat('first')} | {stat('last')} | {statistics.mean(gains):+.1f} | {stat('seconds', 1)} s | {cost} |")
+        print(f"| {method} | {stat('first')} | {stat('last')} | {statistics.mean(gains):+.1f} | "
+              f"{stat('seconds', 1)} s | {cost} |")
 
 
 if __name__ == "__main__":

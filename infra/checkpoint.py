@@ -116,7 +116,8 @@ def _save_sharded(directory, models, optimizers, tokenizer):
 def _sharded_state(models, optimizers):
     """{name: {"model": ..., "optimizer": ...}}: this rank's shards (whole tensors in one process), keyed by name."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    return {name: dict(zip(("model", "optimizer"), get_state_dict(model, optimizers[name]))) for name, model in models.items()}
+    return {name: dict(zip(("model", "optimizer"), get_state_dict(model, optimizers[name])))
+            for name, model in models.items()}
 
 
 def _rng_state():

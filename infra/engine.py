@@ -74,8 +74,9 @@ class HFGenerator:
             for row, (index, _) in enumerate(chunk):
                 tokens = sampled[row].tolist()
                 stop = next((t + 1 for t, token in enumerate(tokens) if token in stops), None)  # the first stop id
-                completions.append(Completion(index, tokens[:stop], self.tokenizer.decode(tokens[:stop], skip_special_tokens=True),
-                                              logprobs[row, :stop].tolist(), "length" if stop is None else "stop"))
+                text = self.tokenizer.decode(tokens[:stop], skip_special_tokens=True)
+                completions.append(Completion(index, tokens[:stop], text, logprobs[row, :stop].tolist(),
+                                              "length" if stop is None else "stop"))
         self.model.train(was_training)
         return completions
 

@@ -12,9 +12,9 @@ from infra import UserError, dist
 
 class Logger:
     # The step line: what a user acts on, in this order, cut to 120 columns; every metric goes to metrics.jsonl.
-    SHOWN = {"reward": "reward", "eval/accuracy": "eval", "response_length": "len", "policy_loss": "loss", "value_loss": "vloss",
-             "clip_fraction": "clip", "approx_kl": "kl", "grad_norm": "gnorm", "explained_variance": "ev",
-             "probe/sign_acc_tau1": "sign", "mc_tokens": "mc_tok", "tokens_per_s": "tok/s"}
+    SHOWN = {"reward": "reward", "eval/accuracy": "eval", "response_length": "len", "policy_loss": "loss",
+             "value_loss": "vloss", "clip_fraction": "clip", "approx_kl": "kl", "grad_norm": "gnorm",
+             "explained_variance": "ev", "probe/sign_acc_tau1": "sign", "mc_tokens": "mc_tok", "tokens_per_s": "tok/s"}
 
     def __init__(self, run_dir, args, resume_record=None):
         """Writes the run's settings: config.json for a new run; a resumed run never overwrites them, it writes its

@@ -264,7 +264,8 @@ class Run:
         checkpoint = os.path.join(self.dir, "checkpoints", f"step_{steps_done:06d}", "policy")
         more = max(self.args.steps, 2 * steps_done)
         lines.append(f"  continue: {command('--resume', self.dir, '--steps', more)}")
-        lines.append(f"  evaluate: {command('--eval-only', '--model', checkpoint, '--eval-datasets', *self.args.eval_datasets)}")
+        evaluate = command('--eval-only', '--model', checkpoint, '--eval-datasets', *self.args.eval_datasets)
+        lines.append(f"  evaluate: {evaluate}")
         return "\n".join(lines)
 
     def save(self, step):

@@ -91,7 +91,8 @@ def build_tiny_model(cache_dir=CACHE_DIR, sft_steps=400, seed=0):
                        + [tokenizer.eos_token_id] for r in rows]
             batch = common.sequence_batch(prompts, answers, tokenizer.pad_token_id)
             logits = model(**batch.model_inputs(), logits_to_keep=batch.response_width + 1).logits[:, :-1]
-            loss = torch.nn.functional.cross_entropy(logits[batch.response_mask], batch.response_ids[batch.response_mask])
+            mask = batch.response_mask
+            loss = torch.nn.functional.cross_entropy(logits[mask], batch.response_ids[mask])
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()

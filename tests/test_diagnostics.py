@@ -256,13 +256,13 @@ def test_probe_critic_with_the_tiny_model_and_a_fresh_critic(tokenizer):
     generator = infra.engine.make_generator("hf", policy, tokenizer)
     rows = infra.tiny.builtin_rows("test", 4, seed=0)
     rng_before = torch.get_rng_state()
-    metrics = infra.probes.probe_critic(generator, tokenizer, rows, lambda b: common.response_values(critic, b),
+    metrics = infra.probes.probe_critic(generator, tokenizer, rows, lambda b: common.critic_outputs(critic, b),
                                         probe_args(probe_prompts=4, probe_continuations=4), critic)
     assert torch.equal(torch.get_rng_state(), rng_before)
     assert 0.0 <= metrics["probe/mc_mean"] <= 1.0
     assert 1.0 <= metrics["probe/effective_rank"] <= 48  # at most min(response tokens, hidden size 128)
     assert metrics["probe_tokens"] > 4 * 30  # at least the 4 sampled responses (~38 tokens each)
-    again = infra.probes.probe_critic(generator, tokenizer, rows, lambda b: common.response_values(critic, b),
+    again = infra.probes.probe_critic(generator, tokenizer, rows, lambda b: common.critic_outputs(critic, b),
                                       probe_args(probe_prompts=4, probe_continuations=4), critic)
     assert {k: v for k, v in again.items() if k != "probe_s"} == {k: v for k, v in metrics.items() if k != "probe_s"}
 
@@ -276,6 +276,6 @@ def test_response_hidden_states_rows_match_response_lengths(tokenizer):
     # the state before response token t is the same however the batch is cut: compare with the full batch
     together = infra.probes.response_hidden_states(critic, batch, micro_batch_size=2)
     assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(hidden, together))
-    # and it is the hidden state the value head reads: score(hidden) equals response_values
-    values = common.response_values(critic, batch)
+    # and it is the hidden state the value head reads: score(hidden) equals critic_outputs
+    values = common.critic_outputs(critic, batch)
     assert torch.allclose(critic.score(together[1]).squeeze(-1), values[1, :7], atol=1e-5)

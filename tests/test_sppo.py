@@ -71,7 +71,7 @@ def test_dual_clip_caps_negative_advantage_loss():
 
 
 def test_prompt_only_critic_reads_the_last_prompt_token():
-    # The critic's input in sppo.main: the prompts with empty responses; response_values(...)[:, 0] is the
+    # The critic's input in sppo.main: the prompts with empty responses; critic_outputs(...)[:, 0] is the
     # head's output at the last prompt token, the same number the full prompt + response batch gives there.
     torch.manual_seed(0)
     critic, tokenizer = common.load_model("tiny", device="cpu", value_head=True)
@@ -80,9 +80,9 @@ def test_prompt_only_critic_reads_the_last_prompt_token():
     full = common.sequence_batch(prompts, responses, tokenizer.pad_token_id)
     prompt_only = common.sequence_batch(prompts, [[] for _ in prompts], tokenizer.pad_token_id)
     with torch.no_grad():
-        from_full = common.response_values(critic, full)[:, 0]
-        from_prompt = common.response_values(critic, prompt_only)[:, 0]
-        from_select = common.response_values(critic, prompt_only.select([1]))[:, 0]
+        from_full = common.critic_outputs(critic, full)[:, 0]
+        from_prompt = common.critic_outputs(critic, prompt_only)[:, 0]
+        from_select = common.critic_outputs(critic, prompt_only.select([1]))[:, 0]
         direct = critic(input_ids=torch.tensor([prompts[1]])).logits[0, -1, 0]
     assert torch.allclose(from_full, from_prompt, atol=1e-5)
     assert from_select.item() == pytest.approx(direct.item(), abs=1e-5)
