@@ -285,7 +285,9 @@ def main():
         update_seconds = time.time() - update_start
         # 5. Log; evaluate after the last update; checkpoint.
         response_tokens = int(mask.sum())
-        metrics.update({key: sum(values) / len(values) for key, values in history.items()})
+        for key in ("policy_loss", "grad_norm", "clip_fraction", "approx_kl") if actor_frozen else ():
+            history.pop(key, None)  # critic warm-up: the actor's loss was not applied, so it is not logged
+        metrics.update({key: sum(values) / len(values) for key, values in history.items()}, actor_frozen=actor_frozen)
         metrics.update(infra.evaluate.rollout_metrics(completions, rewards, old_logprobs, mask),
                        rollout_s=rollout_seconds, update_s=update_seconds,
                        tokens_per_s=response_tokens / (rollout_seconds + update_seconds))

@@ -179,13 +179,15 @@ def test_sp3o_end_to_end_warmup_freezes_the_actor(tmp_path):
         records = [json.loads(line) for line in handle]
     assert [r["step"] for r in records] == [0, 1, 2]
     for record in records:
-        for key in ("policy_loss", "value_loss", "grad_norm", "critic_grad_norm", "approx_kl"):
+        for key in ("value_loss", "critic_grad_norm"):
             assert math.isfinite(record[key]), key
         assert record["value_loss"] > 0
     assert "eval/accuracy" in records[0] and "eval/accuracy" in records[-1]
-    for record in records[:2]:  # warm-up: the actor gets no gradient and no step
-        assert record["grad_norm"] == 0 and record["clip_fraction"] == 0 and record["approx_kl"] == 0
-    assert records[2]["grad_norm"] > 0 and records[2]["approx_kl"] > 1e-5  # then it trains
+    for record in records[:2]:  # warm-up: the actor is frozen, and no loss of it that was not applied is logged
+        assert record["actor_frozen"] == 1.0
+        assert not {"policy_loss", "grad_norm", "clip_fraction", "approx_kl"} & set(record)
+    assert records[2]["actor_frozen"] == 0.0  # then it trains
+    assert math.isfinite(records[2]["policy_loss"]) and records[2]["grad_norm"] > 0 and records[2]["approx_kl"] > 1e-5
     start = load_file(os.path.join(infra.tiny.build_tiny_model(), "model.safetensors"))
     checkpoints = os.path.join(tmp_path, name, "checkpoints")
     after_warmup = load_file(os.path.join(checkpoints, "step_000002", "policy", "model.safetensors"))
