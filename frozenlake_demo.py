@@ -153,14 +153,15 @@ def cell_features(size, width):
     return torch.tensor(np.exp(-sq_dist / (2 * width**2)), dtype=torch.float32)
 
 
-def variation_ratio(pred_trajs, exact_trajs):
-    """Sum over trajectories of std_t(prediction) / the same sum for the exact values (1 faithful, 0 flat)."""
+def std_ratio(pred_trajs, exact_trajs):
+    """Sum over trajectories of std_t(prediction) / the same sum for the exact values (1 faithful, 0 flat); the
+    table's `variation ratio` (the trainers' probe of that name compares with Monte Carlo values instead)."""
     pairs = [(np.std(p), np.std(e)) for p, e in zip(pred_trajs, exact_trajs) if len(e) > 1]
     exact_total = sum(e for _, e in pairs)
     return sum(p for p, _ in pairs) / exact_total if exact_total > 1e-9 else float("nan")
 
 
-def sign_accuracy(pred_trajs, exact_trajs, min_change=0.01):
+def interval_sign_accuracy(pred_trajs, exact_trajs, min_change=0.01):
     """Share of intervals between the start and SP3O's anchors where the predicted change has the sign
     of the exact change; only intervals where the exact value moves by more than min_change count."""
     hits = []
@@ -309,8 +310,8 @@ def run_one(size, seed, args):
         flat_pred = np.concatenate(pred)
         corr = np.corrcoef(flat_pred, flat_exact)[0, 1] if flat_pred.std() > 0 else 0.0
         results[kind] = {"mse": np.mean((flat_pred - flat_exact) ** 2), "corr": corr,
-                         "variation_ratio": variation_ratio(pred, exact_trajs),
-                         "sign_acc": sign_accuracy(pred, exact_trajs, args.sign_min_change)}
+                         "variation_ratio": std_ratio(pred, exact_trajs),
+                         "sign_acc": interval_sign_accuracy(pred, exact_trajs, args.sign_min_change)}
         maps[kind] = cell_map(flat_pred)
     return results, maps, info
 
@@ -326,15 +327,18 @@ def plot_maps(maps_by_size, desc_by_size, path):
     cmap.set_bad("white")
     for row, (size, maps) in zip(axes, maps_by_size.items()):
         top = max(np.nanmax(maps["exact"]), 1e-6)  # one colour scale per size, set by the exact map
-        holes = np.where(np.array([list(r) for r in desc_by_size[size]]) == "H", 0.0, np.nan)
+        cells = np.array([list(r) for r in desc_by_size[size]])
+        holes = np.where(cells == "H", 0.0, np.nan)
+        (start_row,), (start_column,) = np.nonzero(cells == "S")
         for ax, title, grid in zip(row, titles, maps.values()):
             image = ax.imshow(grid, cmap=cmap, vmin=0, vmax=top)
             ax.imshow(holes, cmap="gray", vmin=0, vmax=1)  # NaN is transparent: only holes are drawn
             ax.text(size - 1, size - 1, "G", ha="center", va="center", color="red", fontweight="bold")
+            ax.text(start_column, start_row, "S", ha="center", va="center", color="red", fontweight="bold")
             ax.set_title(f"{size}x{size}: {title}", fontsize=10)
             ax.set_axis_off()
-        fig.colorbar(image, ax=list(row), shrink=0.85)
-    fig.suptitle("Seed 0: mean value per visited cell (black: holes, white: never visited)")
+        fig.colorbar(image, ax=list(row), shrink=0.85, label="value (P(reach G) from the cell)")
+    fig.suptitle("Seed 0: mean value per visited cell (S: start, G: goal, black: holes, white: never visited)")
     fig.savefig(path, dpi=110)
 
 
@@ -358,7 +362,8 @@ def main():
             values = [m[name] for m in per_seed] if name in per_seed[0] else [i[name] for i in info[size]]
             row[name + "_mean"], row[name + "_std"] = np.nanmean(values), np.nanstd(values)
         summary.append(row)
-    show = lambda row, name, digits=3: f"{row[name + '_mean']:.{digits}f} ± {row[name + '_std']:.{digits}f}"
+    spread = lambda row, name, digits: f" ± {row[name + '_std']:.{digits}f}" if args.seeds > 1 else ""
+    show = lambda row, name, digits=3: f"{row[name + '_mean']:.{digits}f}" + spread(row, name, digits)
     lines = ["| size | critic | MSE vs exact | corr vs exact | variation ratio | sign acc |", "|---" * 6 + "|"]
     lines += [f"| {r['size']}x{r['size']} | {r['critic']} | {show(r, 'mse', 4)} | {show(r, 'corr')} | "
               f"{show(r, 'variation_ratio')} | {show(r, 'sign_acc')} |" for r in summary]
@@ -366,7 +371,8 @@ def main():
               "|---" * 5 + "|"]
     lines += [f"| {r['size']}x{r['size']} | {show(r, 'p_success', 2)} | {show(r, 'mean_len', 0)} | "
               f"{show(r, 'tabular_all', 4)} | {show(r, 'tabular_anchors', 4)} |" for r in summary[::3]]
-    lines.append(f"\nMean ± std over {args.seeds} seeds (each its own map); {args.steps} Adam steps per critic, "
+    seeds = f"Mean ± std over {args.seeds} seeds (each its own map)" if args.seeds > 1 else "One seed (one map)"
+    lines.append(f"\n{seeds}; {args.steps} Adam steps per critic, "
                  f"{args.reduction} losses, "
                  f"{args.batch_trajectories} of {args.train_trajectories} training trajectories per step, "
                  f"{args.eval_trajectories} held-out trajectories.")

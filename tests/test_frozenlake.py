@@ -82,24 +82,24 @@ def test_maps_are_solvable():
             assert optimal[0] > 0
 
 
-def test_variation_ratio():
+def test_std_ratio():
     rng = np.random.default_rng(0)
     exact = [rng.random(n) for n in (5, 9, 2)]
-    assert fl.variation_ratio([np.full(len(e), 0.3) for e in exact], exact) == 0.0
-    assert fl.variation_ratio(exact, exact) == pytest.approx(1.0)
+    assert fl.std_ratio([np.full(len(e), 0.3) for e in exact], exact) == 0.0
+    assert fl.std_ratio(exact, exact) == pytest.approx(1.0)
     halved = [e.mean() + 0.5 * (e - e.mean()) for e in exact]
-    assert fl.variation_ratio(halved, exact) == pytest.approx(0.5)
-    assert np.isnan(fl.variation_ratio(exact, [np.full(len(e), 1.0) for e in exact]))  # nothing to track
+    assert fl.std_ratio(halved, exact) == pytest.approx(0.5)
+    assert np.isnan(fl.std_ratio(exact, [np.full(len(e), 1.0) for e in exact]))  # nothing to track
 
 
-def test_sign_accuracy():
+def test_interval_sign_accuracy():
     exact = [np.linspace(0, 1, 11), np.array([0.5, 0.9, 0.2, 0.8, 0.1, 0.7, 0.3, 0.6, 0.4, 0.5, 0.0])]
-    assert fl.sign_accuracy(exact, exact) == 1.0
-    assert fl.sign_accuracy([-e for e in exact], exact) == 0.0
-    assert fl.sign_accuracy([np.zeros(11)] * 2, exact) == 0.0  # a flat critic gets no sign right
+    assert fl.interval_sign_accuracy(exact, exact) == 1.0
+    assert fl.interval_sign_accuracy([-e for e in exact], exact) == 0.0
+    assert fl.interval_sign_accuracy([np.zeros(11)] * 2, exact) == 0.0  # a flat critic gets no sign right
     # Points 0, 3, 6, 9 (anchors of n=11): second trajectory moves 0.5 -> 0.8 -> 0.3 -> 0.5.
     half_right = [exact[0], np.array([0.5, 0, 0, 0.9, 0, 0, 0.95, 0, 0, 1.0, 0])]
-    assert fl.sign_accuracy(half_right, exact) == pytest.approx(5 / 6)
+    assert fl.interval_sign_accuracy(half_right, exact) == pytest.approx(5 / 6)
 
 
 def test_anchor_rule_is_imported_from_sp3o():
