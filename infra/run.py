@@ -203,6 +203,7 @@ class Run:
         self.write = print
         metrics = self.evaluate()
         self.logger.log(self.start_step, metrics, lambda line: None)
+        self.close()
         return metrics
 
     def steps(self):
@@ -224,6 +225,7 @@ class Run:
             progress.close()
             if dist.rank() == 0:
                 print(self.summary(*self.last))
+            self.close()  # finished: its logs are closed here (run_main closes a run that did not finish)
         finally:
             self.signals.restore()
 
