@@ -56,6 +56,7 @@ class RunArgs:
     device: str = ""  # torch device (default: cuda when available, else cpu)
     dtype: str = "auto"  # compute dtype (auto: bfloat16 on GPU, float32 on CPU); weights stay float32
     gpu_memory_utilization: float = 0.3  # share of GPU memory for the colocated vLLM engine (asleep in the update)
+    vllm_kv_cache_gib: float = 1.0  # KV cache of a vLLM engine on CPU, GiB (on GPU --gpu-memory-utilization sizes it)
     trust_remote_code: bool = False  # allow custom model code from the hub (off: never run downloaded code)
     micro_batch_size: int = 8  # sequences per forward/backward; gradients accumulate up to a mini-batch
     micro_batch_tokens: int = 0  # pack micro-batches by padded tokens per forward instead, longest first (0: off)
@@ -86,8 +87,8 @@ RUN_TINY_PRESET = dict(steps=60, micro_batch_size=64, gradient_checkpointing=Fal
 # and how it runs on this machine (losses are exact for any micro-batch split); never what it computes. Everything
 # else comes from its saved settings (config.json, updated by the latest config.resume_<step>.json).
 RESUME_MAY_CHANGE = ("steps", "eval_every", "save_every", "keep_checkpoints", "max_skipped_updates", "tensorboard",
-                     "wandb_project", "eval_only", "device", "gpu_memory_utilization", "micro_batch_size",
-                     "micro_batch_tokens", "gradient_checkpointing")
+                     "wandb_project", "eval_only", "device", "gpu_memory_utilization", "vllm_kv_cache_gib",
+                     "micro_batch_size", "micro_batch_tokens", "gradient_checkpointing")
 WHERE = ("resume", "run_name", "output_dir")  # where a run is, not how it runs
 
 
@@ -242,7 +243,7 @@ def check_ranges(args):
     for name in ("save_every", "eval_every", "eval_problems"):
         if getattr(args, name, 0) < 0:
             raise UserError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
-    for name in ("lr", "critic_lr"):
+    for name in ("lr", "critic_lr", "vllm_kv_cache_gib"):
         if hasattr(args, name) and not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0):
             raise UserError(f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}")
     if getattr(args, "temperature", 1.0) <= 0:
@@ -476,7 +477,7 @@ class Run:
         self.logger = Logger(self.dir, self.args, self.resume_record())
         self.start_step = load_checkpoint(self.resume_path, models, optimizers) if self.resume_path else 0
         self.generator = make_generator(self.args.generator, models["policy"], tokenizer,
-                                        self.args.gpu_memory_utilization, self.args.seed)
+                                        self.args.gpu_memory_utilization, self.args.seed, self.args.vllm_kv_cache_gib)
         return self.generator
 
     def resume_record(self):
@@ -492,11 +493,15 @@ class Run:
                 "config": now}
 
     def close(self, hint=False):
-        """On the way out (run_main calls it): a start that logged no step and saved nothing removes what it wrote
-        in the run folder (the folder too, if it made it), so no folder blocks a restart; with `hint` (after an
-        interrupt or a crash) says which command continues the run."""
+        """On the way out (run_main calls it, before it destroys the process group): the rollout engine shuts down;
+        a start that logged no step and saved nothing removes what it wrote in the run folder (the folder too, if it
+        made it), so no folder blocks a restart; with `hint` (after an interrupt or a crash) says which command
+        continues the run."""
         if self in _OPEN_RUNS:
             _OPEN_RUNS.remove(self)
+        generator, self.generator = getattr(self, "generator", None), None
+        if generator is not None:  # a vLLM engine shuts down while the process group it joined is still there
+            generator.close()
         if dist.rank() > 0:
             return
         logger = getattr(self, "logger", None)
