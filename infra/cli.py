@@ -39,6 +39,7 @@ class RunArgs:
     device: str = ""  # torch device (default: cuda when available, else cpu)
     dtype: str = "auto"  # compute dtype (auto: bfloat16 on GPU, float32 on CPU); weights stay float32
     gpu_memory_utilization: float = 0.3  # share of GPU memory for the colocated vLLM engine (asleep in the update)
+    vllm_kv_cache_gib: float = 1.0  # KV cache of a vLLM engine on CPU, GiB (on GPU --gpu-memory-utilization sizes it)
     trust_remote_code: bool = False  # allow custom model code from the hub (off: never run downloaded code)
     micro_batch_size: int = 8  # sequences per forward/backward; gradients accumulate up to a mini-batch
     micro_batch_tokens: int = 0  # pack micro-batches by padded tokens per forward instead, longest first (0: off)
@@ -133,7 +134,7 @@ def check_ranges(args):
     for name in ("save_every", "eval_every", "eval_problems"):
         if getattr(args, name, 0) < 0:
             raise UserError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
-    for name in ("lr", "critic_lr"):
+    for name in ("lr", "critic_lr", "vllm_kv_cache_gib"):
         if hasattr(args, name) and not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0):
             raise UserError(f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}")
     if getattr(args, "temperature", 1.0) <= 0:

@@ -39,6 +39,9 @@ class HFGenerator:
     def wake_up(self):
         """Nothing to restore."""
 
+    def close(self):
+        """Nothing to shut down."""
+
     @torch.no_grad()
     def generate(self, prompts, n=1, max_tokens=256, temperature=1.0, top_p=1.0):
         from transformers import GenerationConfig, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
@@ -108,34 +111,36 @@ class _SampledLogprobs:
         return torch.stack(self.logprobs + [last], 1)
 
 
-def vllm_problem(device_type):
-    """Why vLLM cannot be the rollout engine here (None when it can)."""
-    if device_type != "cuda":
-        return "needs the policy on a CUDA GPU"
-    try:
-        import vllm  # noqa: F401
-    except Exception as error:  # not installed, or built for another torch/CUDA
-        return f"needs vllm (pip install -r requirements-vllm.txt; importing it failed: {type(error).__name__})"
-    return None
+def resolve_generator(kind, device):
+    """`hf` or `vllm` for --generator beside a policy on `device`: `vllm` where it can run (refused in one line where
+    not); `auto`: vLLM on a CUDA device where it runs, else Hugging Face generate (on CPU too: vLLM's CPU build runs
+    when asked for)."""
+    if kind == "hf" or kind == "auto" and torch.device(device).type != "cuda":
+        return "hf"
+    from infra.vllm_engine import vllm_problem  # it imports vllm itself, only now
+    problem = vllm_problem(device)
+    if problem and kind == "vllm":
+        raise UserError(f"--generator vllm {problem}; or use --generator hf")
+    return "hf" if problem else "vllm"
 
 
 def check_generator(kind, device):
     """Refuse --generator vllm where it cannot run, in one line, before any model loads or any run folder exists."""
-    problem = vllm_problem(torch.device(device).type) if kind == "vllm" else None
-    if problem:
-        raise UserError(f"--generator vllm {problem}; or use --generator hf")
+    if kind == "vllm":
+        resolve_generator(kind, device)
 
 
-def make_generator(kind, model, tokenizer, gpu_memory_utilization=0.3, seed=0):
-    """The rollout engine for --generator, holding `model`'s current weights: `hf`; `vllm` (refused in one line
-    when it cannot run); `auto`: vLLM when it imports and the policy is on a CUDA device, else HF."""
-    problem = vllm_problem(dist.compute_device(model).type) if kind != "hf" else None
-    if kind == "vllm" and problem:
-        raise UserError(f"--generator vllm {problem}; or use --generator hf")
-    if kind != "hf" and not problem:
+def make_generator(kind, model, tokenizer, gpu_memory_utilization=0.3, seed=0, kv_cache_gib=1.0):
+    """The rollout engine for --generator (see resolve_generator), holding `model`'s current weights. Its close()
+    shuts it down (Run.close, on the way out)."""
+    if resolve_generator(kind, dist.compute_device(model)) == "vllm":
         from infra.vllm_engine import VLLMGenerator
-        generator = VLLMGenerator(model, tokenizer, gpu_memory_utilization, seed)
+        generator = VLLMGenerator(model, tokenizer, gpu_memory_utilization, seed, kv_cache_gib)
     else:
         generator = HFGenerator(model, tokenizer)
-    generator.sync_weights(model)  # vLLM loaded the checkpoint from disk: a resumed policy differs from it
+    try:
+        generator.sync_weights(model)  # vLLM loaded the checkpoint from disk: a resumed policy differs from it
+    except BaseException:
+        generator.close()  # no one else holds it yet
+        raise
     return generator

@@ -20,8 +20,8 @@ from infra.checkpoint import _checkpoint_steps, find_checkpoint
 # and how it runs on this machine (losses are exact for any micro-batch split); never what it computes. Everything
 # else comes from its saved settings (config.json, updated by the latest config.resume_<step>.json).
 RESUME_MAY_CHANGE = ("steps", "eval_every", "save_every", "keep_checkpoints", "max_skipped_updates", "tensorboard",
-                     "wandb_project", "eval_only", "device", "gpu_memory_utilization", "micro_batch_size",
-                     "micro_batch_tokens", "gradient_checkpointing")
+                     "wandb_project", "eval_only", "device", "gpu_memory_utilization", "vllm_kv_cache_gib",
+                     "micro_batch_size", "micro_batch_tokens", "gradient_checkpointing")
 WHERE = ("resume", "run_name", "output_dir")  # where a run is, not how it runs
 
 

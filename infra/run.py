@@ -136,7 +136,7 @@ class Run:
         self.logger = Logger(self.dir, self.args, self.resume_record())
         self.start_step = load_checkpoint(self.resume_path, models, optimizers) if self.resume_path else 0
         self.generator = make_generator(self.args.generator, models["policy"], tokenizer,
-                                        self.args.gpu_memory_utilization, self.args.seed)
+                                        self.args.gpu_memory_utilization, self.args.seed, self.args.vllm_kv_cache_gib)
         return self.generator
 
     def resume_record(self):
@@ -152,11 +152,15 @@ class Run:
                 "config": now}
 
     def close(self, hint=False):
-        """On the way out (run_main calls it): a start that logged no step and saved nothing removes what it wrote
-        in the run folder (the folder too, if it made it), so no folder blocks a restart; with `hint` (after an
-        interrupt or a crash) says which command continues the run."""
+        """On the way out (run_main calls it, before it destroys the process group): the rollout engine shuts down;
+        a start that logged no step and saved nothing removes what it wrote in the run folder (the folder too, if it
+        made it), so no folder blocks a restart; with `hint` (after an interrupt or a crash) says which command
+        continues the run."""
         if self in _OPEN_RUNS:
             _OPEN_RUNS.remove(self)
+        generator, self.generator = getattr(self, "generator", None), None
+        if generator is not None:  # a vLLM engine shuts down while the process group it joined is still there
+            generator.close()
         if dist.rank() > 0:
             return
         logger = getattr(self, "logger", None)
