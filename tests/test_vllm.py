@@ -22,6 +22,7 @@ import torch
 
 import common
 import infra.checkpoint
+import infra.cli
 import infra.dist
 import infra.engine
 import infra.run
@@ -72,7 +73,7 @@ def test_auto_is_hf_on_cpu(tiny_cpu):
 def test_kv_cache_size_must_be_positive():
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(infra.UserError, match="--vllm-kv-cache-gib must be a positive number"):
-            infra.run.check_ranges(types.SimpleNamespace(vllm_kv_cache_gib=bad))
+            infra.cli.check_ranges(types.SimpleNamespace(vllm_kv_cache_gib=bad))
 
 
 def closing_run(tmp_path, calls):
