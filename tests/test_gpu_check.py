@@ -10,6 +10,7 @@ import torch
 
 import common
 import infra.engine
+import infra.cli
 import infra.run
 import infra.tiny
 from benchmarks import gpu_check
@@ -51,7 +52,7 @@ def test_random_model_loads_encodes_the_task_and_decodes_every_id(random_model):
 def test_the_check_flags_parse_for_every_trainer(trainer, random_model, tmp_path):
     module = __import__(trainer)
     flags = gpu_check.run_flags(trainer, str(tmp_path))
-    args = infra.run.parse_args(module.Args, module.TINY_PRESET, argv=flags)
+    args = infra.cli.parse_args(module.Args, module.TINY_PRESET, argv=flags)
     module.check_args(args)
     assert (args.generator, args.steps, args.prompts_per_step, args.max_response_tokens) == ("vllm", 3, 16, 256)
     assert args.eval_max_tokens == 128 and args.model == os.path.join(str(tmp_path), "model")
