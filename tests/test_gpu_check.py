@@ -11,7 +11,6 @@ import torch
 import common
 import infra.engine
 import infra.cli
-import infra.run
 import infra.tiny
 from benchmarks import gpu_check
 
