@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import common
-import infra.engine
 import infra.cli
+import infra.engine
 import infra.tiny
 from benchmarks import gpu_check
 
