@@ -1,8 +1,9 @@
 """Every trainer learns: a seeded 8-step run on the built-in tiny model, through the command line and
 metrics.jsonl only. The tiny model solves about 1/3 of the additions at first (greedy: 5 of the 16 held-out
-problems); a flipped advantage sign drives the reward to 0 within a few steps, a dropped advantage leaves the
-weights (and the greedy evaluation) where they were. Margins measured on seeds 0-4 (issue 20's note): the
-held-out accuracy rises by 0.44 or more, the last 4 steps' mean reward exceeds the first step's by 0.13 or more."""
+problems); a flipped advantage sign drives the reward down (grpo, seed 0: 0.39 to 0.02 in 3 steps), a dropped
+advantage leaves the weights (and the greedy evaluation) where they were. Margins measured with these flags on
+seeds 0-4 (30 runs): the held-out accuracy rose by 0.44 or more, the last 4 steps' mean reward exceeded the first
+step's by 0.15 or more; with the sign flipped (each trainer) or the advantage zeroed (grpo, ppo) the accuracy gain was <= 0."""
 import json
 import os
 
