@@ -186,17 +186,9 @@ def test_repetition_rate_in_rollout_metrics_drops_the_eos():
 
 
 # ---------------------------------------------------------------- --eval-only end to end
-def _wired(trainer):
-    with open(os.path.join(ROOT, trainer)) as handle:
-        source = handle.read()
-    return "eval_only" in source and "eval_datasets" in source
-
-
 @needs_data
 @pytest.mark.parametrize("trainer", ["grpo.py"])
 def test_eval_only_on_math500_end_to_end(trainer, tmp_path):
-    if not _wired(trainer):
-        pytest.skip(f"{trainer} has no --eval-only / --eval-datasets yet")
     math500 = os.path.join(DATA, "math500", "test.jsonl")
     result = subprocess.run([sys.executable, trainer, "--eval-only", "--model", "tiny", "--eval-datasets", math500,
                              "--eval-n", "2", "--eval-problems", "8", "--eval-max-tokens", "16",

@@ -122,8 +122,9 @@ def test_tppo_two_steps_end_to_end(tmp_path, head):
         assert 0.0 <= record["eval/accuracy"] <= 1.0
         for key in ("policy_loss", "value_loss", "grad_norm", "critic_grad_norm", "approx_kl"):
             assert math.isfinite(record[key]), key
-    # The head starts at zero: the first mini-batch's BCE is log 2; one critic step later it is at most about that.
-    assert 0.5 < records[0]["value_loss"] < 0.75
+    # The head starts at zero (V = 1/2, BCE = ln 2 for any target: test_wiring.py checks the targets); 2 steps of
+    # critic updates move every output it has, z_0's separate one included.
     from safetensors.torch import load_file
     critic = load_file(os.path.join(tmp_path, name, "checkpoints", "step_000002", "critic", "model.safetensors"))
     assert critic["score.weight"].shape[0] == (2 if head == "separate" else 1)
+    assert (critic["score.weight"].abs().sum(1) > 1e-4).all() and (critic["score.bias"].abs() > 1e-6).all()
