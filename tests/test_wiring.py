@@ -42,7 +42,8 @@ def test_whitened_advantages_average_zero_over_the_batch():
     # whitening makes 0; without whitening it is -mean(R - V_t), not 0.
     for trainer, flags in (("ppo", ()), ("sp3o", ("--critic-warmup", "1", "--whiten-advantages")), ("tppo", ())):
         assert abs(step_zero(trainer, *flags)["policy_loss"]) < 1e-5, trainer
-    for trainer, flags in (("sp3o", ("--critic-warmup", "0")), ("tppo", ("--lam-actor", "0", "--no-whiten-advantages"))):
+    unwhitened = (("sp3o", ("--critic-warmup", "0")), ("tppo", ("--lam-actor", "0", "--no-whiten-advantages")))
+    for trainer, flags in unwhitened:
         assert abs(step_zero(trainer, *flags)["policy_loss"]) > 1e-3, trainer
 
 
