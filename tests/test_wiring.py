@@ -1,4 +1,5 @@
-"""What the ppo.py family's loops feed to the critic and the policy, seen through metrics.jsonl of one-step runs.
+"""What the loops feed to the critic and the policy (ppo.py family, and SPO's whitening), seen through metrics.jsonl
+of one-step runs.
 
 With one step and one mini-batch, step 0's losses and gradient norms are those of the rollout's models before any
 update, so two seeded runs that differ in a flag see the same rollout and the same initial models, and their
@@ -38,11 +39,15 @@ def same(first, second, keys):
 
 
 def test_whitened_advantages_average_zero_over_the_batch():
-    # One mini-batch, ratio 1 before the update: the token-mean PPO loss is -mean(A) over the valid tokens, which
-    # whitening makes 0; without whitening it is -mean(R - V_t), not 0.
-    for trainer, flags in (("ppo", ()), ("sp3o", ("--critic-warmup", "1", "--whiten-advantages")), ("tppo", ())):
+    # One mini-batch, ratio 1 before the update: the token-mean PPO loss is -mean(A) over the loss's tokens, which
+    # whitening makes 0; without whitening it is -mean(R - V_t), not 0. SPO (one epoch here): the same over the
+    # low-probability tokens, its k3 KL to the reference is 0 before the update.
+    whitened = (("ppo", ()), ("sp3o", ("--critic-warmup", "1", "--whiten-advantages")), ("tppo", ()),
+                ("spo", ("--epochs", "1")))
+    for trainer, flags in whitened:
         assert abs(step_zero(trainer, *flags)["policy_loss"]) < 1e-5, trainer
-    unwhitened = (("sp3o", ("--critic-warmup", "0")), ("tppo", ("--lam-actor", "0", "--no-whiten-advantages")))
+    unwhitened = (("sp3o", ("--critic-warmup", "0")), ("tppo", ("--lam-actor", "1", "--no-whiten-advantages")),
+                  ("spo", ("--epochs", "1", "--no-whiten-advantages")))
     for trainer, flags in unwhitened:
         assert abs(step_zero(trainer, *flags)["policy_loss"]) > 1e-3, trainer
 
@@ -64,7 +69,7 @@ def test_tppo_critic_targets_use_lambda_critic_not_lambda_actor():
     # the advantages) leaves every critic metric unchanged; changing lam_critic changes the critic's gradient.
     # (Its loss alone cannot tell: the zero-initialised head reads V = 1/2, and BCE(1/2, G) = ln 2 for any G.)
     default = step_zero("tppo")
-    other_actor = step_zero("tppo", "--lam-actor", "0", "--no-whiten-advantages")
+    other_actor = step_zero("tppo", "--lam-actor", "1", "--no-whiten-advantages")
     other_critic = step_zero("tppo", "--lam-critic", "0")
     assert default["reward"] == other_actor["reward"] == other_critic["reward"]  # the same rollout
     assert same(default, other_actor, CRITIC)
