@@ -20,25 +20,28 @@ ONE_STEP = ["--steps", "1", "--mini-batches", "1", "--prompts-per-step", "2", "-
 CRITIC = ("value_loss", "critic_grad_norm", "explained_variance")
 
 
-@functools.lru_cache(maxsize=None)
-def step_zero(trainer, *flags):
-    """The step-0 record of `trainer` run for one step with ONE_STEP and `flags` (cached: runs shared by tests)."""
-    import tempfile
-    output = tempfile.mkdtemp(prefix="wiring_")
-    result = subprocess.run([sys.executable, f"{trainer}.py", *ONE_STEP, *flags, "--run-name", "run", "--output-dir",
-                             output], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stderr[-3000:]
-    with open(os.path.join(output, "run", "metrics.jsonl")) as handle:
-        [record] = [json.loads(line) for line in handle]
-    return record
+@pytest.fixture(scope="module")
+def step_zero(tmp_path_factory):
+    """step_zero(trainer, *flags) -> the step-0 record of `trainer` run for one step with ONE_STEP and `flags`
+    (cached: the tests of this module share runs)."""
+    @functools.lru_cache(maxsize=None)
+    def run(trainer, *flags):
+        output = tmp_path_factory.mktemp("wiring")
+        result = subprocess.run([sys.executable, f"{trainer}.py", *ONE_STEP, *flags, "--run-name", "run",
+                                 "--output-dir", str(output)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert result.returncode == 0, result.stderr[-3000:]
+        with open(os.path.join(output, "run", "metrics.jsonl")) as handle:
+            [record] = [json.loads(line) for line in handle]
+        return record
+    return run
 
 
 def same(first, second, keys):
     return all(first[key] == pytest.approx(second[key], rel=1e-6, abs=1e-9) for key in keys)
 
 
-def test_whitened_advantages_average_zero_over_the_batch():
+def test_whitened_advantages_average_zero_over_the_batch(step_zero):
     # One mini-batch, ratio 1 before the update: the token-mean PPO loss is -mean(A) over the loss's tokens, which
     # whitening makes 0; without whitening it is -mean(R - V_t), not 0. SPO (one epoch here): the same over the
     # low-probability tokens, its k3 KL to the reference is 0 before the update.
@@ -52,7 +55,7 @@ def test_whitened_advantages_average_zero_over_the_batch():
         assert abs(step_zero(trainer, *flags)["policy_loss"]) > 1e-3, trainer
 
 
-def test_sp3o_critic_is_dense_in_the_warmup_then_anchored():
+def test_sp3o_critic_is_dense_in_the_warmup_then_anchored(step_zero):
     # Same seed, same rollout, same initial critic: during the warm-up SP3O's critic loss is PPO's dense one
     # (every valid token), after it the anchors' loss, a different number.
     ppo = step_zero("ppo")
@@ -64,7 +67,7 @@ def test_sp3o_critic_is_dense_in_the_warmup_then_anchored():
     assert math.isfinite(anchored["value_loss"]) and anchored["value_loss"] > 0
 
 
-def test_tppo_critic_targets_use_lambda_critic_not_lambda_actor():
+def test_tppo_critic_targets_use_lambda_critic_not_lambda_actor(step_zero):
     # The critic's targets are GAE returns with lam_critic: changing lam_actor (and whitening, which only touches
     # the advantages) leaves every critic metric unchanged; changing lam_critic changes the critic's gradient.
     # (Its loss alone cannot tell: the zero-initialised head reads V = 1/2, and BCE(1/2, G) = ln 2 for any G.)
