@@ -86,7 +86,8 @@ def test_evaluate_avg_and_pass_at_k_by_hand(tokenizer):
                [(wrong, "stop")] * 4]
     generator = ScriptedGenerator(tokenizer, scripts)
     rng_before = torch.get_rng_state()
-    metrics = infra.evaluate.evaluate(generator, tokenizer, {"set": rows}, n=4, max_tokens=9, temperature=1.0, top_p=0.95)
+    metrics = infra.evaluate.evaluate(generator, tokenizer, {"set": rows}, n=4, max_tokens=9, temperature=1.0,
+                                      top_p=0.95)
     assert torch.equal(torch.get_rng_state(), rng_before)  # evaluation leaves the training RNG alone
     assert generator.calls == [(2, 4, 9, 1.0, 0.95)]  # one request, the eval flags passed through
     # correct counts: row 0 -> c = 2 of 4, row 1 -> 0 of 4

@@ -41,30 +41,38 @@ def same(first, second, keys):
     return all(first[key] == pytest.approx(second[key], rel=1e-6, abs=1e-9) for key in keys)
 
 
+VERL = ("--whiten-advantages", "--aggregation", "token-mean")  # verl's recipe (with --critic-warmup 0)
+
+
 def test_whitened_advantages_average_zero_over_the_batch(step_zero):
     # One mini-batch, ratio 1 before the update: the token-mean PPO loss is -mean(A) over the loss's tokens, which
-    # whitening makes 0; without whitening it is -mean(R - V_t), not 0. SPO (one epoch here): the same over the
-    # low-probability tokens, its k3 KL to the reference is 0 before the update.
-    whitened = (("ppo", ()), ("sp3o", ("--critic-warmup", "1", "--whiten-advantages")), ("tppo", ()),
-                ("spo", ("--epochs", "1")))
+    # whitening makes 0; without whitening it is -mean(R - V_t), not 0. (Under seq-mean, ppo.py's and sp3o.py's
+    # published reduction, a whitened batch's loss is not 0 either: token-mean lets the flag alone decide.) SPO (one
+    # epoch here): the same over the low-probability tokens, its k3 KL to the reference is 0 before the update. The
+    # actor's loss is logged during the critic warm-up too.
+    whitened = (("ppo", VERL), ("sp3o", VERL), ("tppo", ()), ("spo", ("--epochs", "1")))
     for trainer, flags in whitened:
         assert abs(step_zero(trainer, *flags)["policy_loss"]) < 1e-5, trainer
-    unwhitened = (("sp3o", ("--critic-warmup", "0")), ("tppo", ("--lam-actor", "1", "--no-whiten-advantages")),
+    token_mean = ("--aggregation", "token-mean")  # whitening off: the published setting of ppo.py and sp3o.py
+    unwhitened = (("ppo", token_mean), ("sp3o", token_mean), ("tppo", ("--lam-actor", "1", "--no-whiten-advantages")),
                   ("spo", ("--epochs", "1", "--no-whiten-advantages")))
     for trainer, flags in unwhitened:
         assert abs(step_zero(trainer, *flags)["policy_loss"]) > 1e-3, trainer
 
 
 def test_sp3o_critic_is_dense_in_the_warmup_then_anchored(step_zero):
-    # Same seed, same rollout, same initial critic: during the warm-up SP3O's critic loss is PPO's dense one
-    # (every valid token), after it the anchors' loss, a different number.
+    # Same seed, same rollout, same initial critic: during the warm-up (the first 5 steps of the tiny preset) SP3O's
+    # critic loss is PPO's dense one (every valid token, seq-mean), after it the anchors' loss, a different number.
     ppo = step_zero("ppo")
-    warmup = step_zero("sp3o", "--critic-warmup", "1", "--whiten-advantages")
+    warmup = step_zero("sp3o")
     anchored = step_zero("sp3o", "--critic-warmup", "0")
     assert warmup["reward"] == ppo["reward"] == anchored["reward"]  # the same rollout
     assert same(warmup, ppo, CRITIC)
     assert not same(anchored, ppo, ["value_loss"]) and not same(anchored, ppo, ["critic_grad_norm"])
     assert math.isfinite(anchored["value_loss"]) and anchored["value_loss"] > 0
+    # token-mean (verl's reduction) changes the dense loss's weights: the warm-up still follows PPO's
+    assert same(step_zero("sp3o", *VERL), step_zero("ppo", *VERL), CRITIC)
+    assert not same(step_zero("ppo", *VERL), ppo, ["critic_grad_norm"])
 
 
 def test_tppo_critic_targets_use_lambda_critic_not_lambda_actor(step_zero):
