@@ -278,7 +278,7 @@ TRAINER_FLAGS = {
     "sppo": ["--micro-batch-size", "1"],
     "sp3o": ["--samples-per-prompt", "2", "--micro-batch-size", "2", "--critic-warmup", "1"],
     "tppo": ["--samples-per-prompt", "2", "--micro-batch-size", "2"],
-    "spo": ["--samples-per-prompt", "2", "--micro-batch-size", "2", "--mc-samples", "2"],
+    "spo": ["--samples-per-prompt", "2", "--micro-batch-size", "2", "--mc-samples", "2", "--mini-batches", "2"],
 }
 
 
