@@ -196,9 +196,9 @@ def test_k3_kl_hand_computed():
 # The loss of a mini-batch must not depend on how it is split into micro-batches (tiny model).
 # ----------------------------------------------------------------------------------------------
 QUESTIONS = ["478+365", "12+5", "999+999", "1+1", "305+217", "7+80", "640+123", "55+44"]
-RESPONSES = ["8+5+0=13 7+6+1=14 4+3+1=8 \\boxed{843}", "2+5+0=7 \\boxed{17}", "9+9+0=18 9+9+1=19 9+9+1=19 \\boxed{1998}",
-             "1+1+0=2", "5+7+0=12 0+1+1=2 3+2+0=5 \\boxed{522}", "7+0+0=7 \\boxed{87", "0+3+0=3 4+2+0=6 6+1+0=7 \\boxed{763}",
-             "5+4+0=9 5+4+0=9 \\boxed{99}"]
+RESPONSES = ["8+5+0=13 7+6+1=14 4+3+1=8 \\boxed{843}", "2+5+0=7 \\boxed{17}",
+             "9+9+0=18 9+9+1=19 9+9+1=19 \\boxed{1998}", "1+1+0=2", "5+7+0=12 0+1+1=2 3+2+0=5 \\boxed{522}",
+             "7+0+0=7 \\boxed{87", "0+3+0=3 4+2+0=6 6+1+0=7 \\boxed{763}", "5+4+0=9 5+4+0=9 \\boxed{99}"]
 
 
 def training_batch(tokenizer):
@@ -344,7 +344,8 @@ def test_grpo_args_tiny_preset_and_published_defaults():
     assert (real.steps, real.prompts_per_step, real.samples_per_prompt, real.lr) == (500, 64, 8, 1e-6)
     assert (real.clip_low, real.clip_high, real.mini_batches, real.max_response_tokens) == (0.2, 0.2, 2, 8192)
     assert (real.temperature, real.grad_clip, real.kl_coef, real.aggregation) == (1.0, 1.0, 0.0, "token-mean")
-    assert (real.truncated_is, real.tis_cap, real.gradient_checkpointing, real.micro_batch_tokens) == ("auto", 2.0, True, 0)
+    assert (real.truncated_is, real.tis_cap, real.gradient_checkpointing, real.micro_batch_tokens) == \
+        ("auto", 2.0, True, 0)
     assert tiny.gradient_checkpointing is False  # the tiny demo needs no activation memory savings
 
 
