@@ -223,6 +223,24 @@ def reduce_loss(losses, weights, starts, reduction="seq-mean"):
     return (sums / counts.clamp(min=1)).mean()
 
 
+def anchor_mask(length):
+    """1 at SP3O's anchors of a trajectory of `length` positions (`sp3o.anchor_positions`), 0 elsewhere."""
+    return np.bincount(anchor_positions(length), minlength=length).astype(np.float32)
+
+
+def critic_loss(kind, out, targets, starts, anchors, reduction="seq-mean"):
+    """Loss of one flat batch (`flatten`; out: the critic's raw outputs; anchors: the trajectories' `anchor_mask`s,
+    concatenated), reduced by `reduce_loss`. dense (PPO): squared error against R at every position; anchors
+    (SP3O): the same at the anchors only; tracking (TPPO): BCE of sigmoid(z_t) against R at every position."""
+    weights = anchors if kind == "anchors" else torch.ones(len(out))  # dense, tracking: every visited state
+    if kind == "tracking":  # TPPO: z_t summed per trajectory
+        losses = torch.nn.functional.binary_cross_entropy_with_logits(tracking_logits(out, starts), targets,
+                                                                      reduction="none")
+    else:  # PPO, SP3O: squared error against R
+        losses = (out - targets) ** 2
+    return reduce_loss(losses, weights, starts, reduction)
+
+
 def predict(kind, net, features, trajs):
     """Predicted values at every position of every trajectory, as a list of arrays."""
     states, prev, _, starts, lengths = flatten(trajs, np.zeros(len(trajs)), range(len(trajs)), len(features))
@@ -239,21 +257,14 @@ def train_critic(kind, trajs, outcomes, features, args, seed):
                               torch.nn.Linear(args.hidden, args.hidden), torch.nn.Tanh(),
                               torch.nn.Linear(args.hidden, 1))
     opt = torch.optim.Adam(net.parameters(), lr=args.lr)
-    anchor_masks = [np.bincount(anchor_positions(len(t)), minlength=len(t)).astype(np.float32) for t in trajs]
+    anchor_masks = [anchor_mask(len(t)) for t in trajs]
     batch_rng = np.random.default_rng(seed)  # the same batches for every critic
     for _ in range(args.steps):
         idx = batch_rng.choice(len(trajs), args.batch_trajectories, replace=False)
         states, prev, targets, starts, _ = flatten(trajs, outcomes, idx, len(features))
         out = critic_outputs(kind, net, features, states, prev)
-        weights = torch.ones(len(out))  # dense (PPO) and tracking: every visited state
-        if kind == "anchors":  # SP3O: anchors only
-            weights = torch.from_numpy(np.concatenate([anchor_masks[i] for i in idx]))
-        if kind == "tracking":  # TPPO: BCE of sigmoid(z_t) against R
-            losses = torch.nn.functional.binary_cross_entropy_with_logits(tracking_logits(out, starts), targets,
-                                                                          reduction="none")
-        else:  # PPO, SP3O: squared error against R
-            losses = (out - targets) ** 2
-        loss = reduce_loss(losses, weights, starts, args.reduction)
+        anchors = torch.from_numpy(np.concatenate([anchor_masks[i] for i in idx]))
+        loss = critic_loss(kind, out, targets, starts, anchors, args.reduction)
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -3,16 +3,16 @@
 
 Critic-free, like GRPO, but the credit is per segment of a response instead of per response: a segment's
 advantage is the difference of Monte Carlo value estimates V = mean reward of K continuations at its two
-borders. SPO-chain (short CoT, the default): cutpoints just before the 1st, (1 + interval)-th, ... low-probability
-token (p < 0.9 at the sampling temperature); segment (c_{k-1}, c_k] gets V(c_k) - V(c_{k-1}), the last one
-R - V(c_last), the tokens up to c_1 (all sure) 0. A cut at -1 (a low-probability first token) is the prompt
-state, valued like any cut by K continuations, as released: not the group's mean reward, whose leave-one-out
-form would cost no generation but is not SPO's estimator. SPO-tree (--mode tree, long CoT): each prompt grows a
-tree of fixed-length segments (depth 3, 6 children per node); a node's value is the mean of its children's, each
-edge a training sample with advantage V(child) - V(parent); at most 32 non-zero edges of a tree are trained per
-rollout. Both put advantages and loss only on the low-probability tokens (the probability mask), whiten over
-those tokens, take PPO-clip steps plus beta x the k3 KL summed over each sequence's loss tokens, under the
-released warm-up then linear-decay learning rate.
+borders. SPO-chain (short CoT, the default; `chain_rollout`, `chain_mc_advantages`): cutpoints just before the 1st,
+(1 + interval)-th, ... low-probability token (p < 0.9 at the sampling temperature); segment (c_{k-1}, c_k] gets
+V(c_k) - V(c_{k-1}), the last one R - V(c_last), the tokens up to c_1 (all sure) 0. A cut at -1 (a low-probability
+first token) is the prompt state, valued like any cut by K continuations, as released: not the group's mean reward,
+whose leave-one-out form would cost no generation but is not SPO's estimator. SPO-tree (--mode tree, long CoT;
+`tree_rollout`): each prompt grows a tree of fixed-length segments (depth 3, 6 children per node); a node's value is
+the mean of its children's, each edge a training sample with advantage V(child) - V(parent); at most 32 non-zero
+edges of a tree are trained per rollout. Both put advantages and loss only on the low-probability tokens (the
+probability mask), whiten over those tokens, take PPO-clip steps plus beta x the k3 KL summed over each sequence's
+loss tokens, under the released warm-up then linear-decay learning rate.
 Deliberate differences from the released code: no replay buffer in SPO-tree (the released one keeps a tree's
 edges beyond 32 for up to 8 rollouts, with the log-probs taken when they were inserted; here they are dropped);
 the token-mean is over a mini-batch, not over each micro-batch; rollouts at top-p 1 (the RhoMath configs: 0.9).
@@ -67,7 +67,8 @@ class Args(infra.cli.RunArgs):
     tis_cap: float = 2.0  # cap of the truncated importance weights (published: 2.0, SP3O's released setting)
     clip_low: float = 0.2  # PPO clip epsilon below 1 (published: 0.2)
     clip_high: float = 0.2  # PPO clip epsilon above 1 (0.28 is DAPO's clip-higher; published default 0.2)
-    aggregation: Literal["token-mean", "seq-mean", "sum-max-len"] = "token-mean"  # loss reduction (sum-max-len: Dr. GRPO)
+    # loss reduction (sum-max-len: Dr. GRPO)
+    aggregation: Literal["token-mean", "seq-mean", "sum-max-len"] = "token-mean"
     kl_coef: float = 1e-4  # beta of the k3 KL to a frozen reference (published: 1e-4; 0: no reference model is loaded)
 
 
@@ -173,7 +174,8 @@ def grow_tree(generator, tokenizer, prompts, rows, depth, branching, segment_tok
     for level in range(depth):
         if not frontier:
             break
-        paths = [tree.prefixes[node] + (tree.segments[node].token_ids if tree.segments[node] else []) for node in frontier]
+        paths = [tree.prefixes[node] + (tree.segments[node].token_ids if tree.segments[node] else [])
+                 for node in frontier]
         used = len(paths[0])  # every open node has exactly level * segment_tokens response tokens
         limit = max_tokens - used if level == depth - 1 else min(segment_tokens, max_tokens - used)
         children = generator.generate([prompts[tree.prompt_index[node]] + path for node, path in zip(frontier, paths)],
@@ -195,6 +197,54 @@ def grow_tree(generator, tokenizer, prompts, rows, depth, branching, segment_tok
             tree.rewards.append(reward)
         frontier = next_frontier
     return tree
+
+
+def chain_rollout(generator, prompts, rows, args):
+    """SPO-chain's samples: G responses for each prompt, scored like GRPO's (their advantages: `chain_mc_advantages`,
+    from the trainer's p_j). Returns (each sample's prompt, the completions, the rewards)."""
+    completions = generator.generate(prompts, args.samples_per_prompt, args.max_response_tokens, args.temperature,
+                                     args.top_p)
+    rewards = torch.tensor([common.score(c.text, rows[c.prompt_index])
+                            if c.finish_reason == "stop" else 0.0 for c in completions])
+    return [prompts[c.prompt_index] for c in completions], completions, rewards
+
+
+def chain_mc_advantages(generator, tokenizer, sample_prompts, completions, rows, rewards, logprobs, mask, args):
+    """SPO-chain's [B, T] advantages (`chain_advantages`) from each response's cutpoints in p_j = exp(logprobs), each
+    cut valued by K continuations from the sample's own prompt and prefix, scored against its own prompt's answer
+    (`common.monte_carlo_values`: one engine request, n = K, per distinct prefix). Returns (advantages, metrics)."""
+    mc_start, lengths = time.time(), mask.sum(1).tolist()
+    cuts = [cutpoints(logprobs[row, :n].exp(), args.prob_threshold, args.cut_interval) for row, n in enumerate(lengths)]
+    cut_rows = [(row, cut) for row in range(len(completions)) for cut in cuts[row]]
+    estimates, mc_tokens = common.monte_carlo_values(
+        generator, tokenizer, [(sample_prompts[row], completions[row].token_ids[:cut + 1]) for row, cut in cut_rows],
+        [rows[completions[row].prompt_index] for row, _ in cut_rows], args.mc_samples, args.max_response_tokens,
+        args.temperature, args.top_p)
+    estimates = iter(estimates.tolist())
+    cut_values = [[next(estimates) for _ in row_cuts] for row_cuts in cuts]  # a cut at -1: the prompt state
+    return chain_advantages(rewards, cuts, cut_values, mask).to(mask.device), dict(
+        mc_tokens=mc_tokens, cutpoints_per_response=sum(map(len, cuts)) / len(cuts), mc_s=time.time() - mc_start)
+
+
+def tree_rollout(generator, tokenizer, prompts, rows, args):
+    """SPO-tree's samples: a tree of segments for each prompt (`grow_tree` scores its leaves); each edge with a nonzero
+    advantage V(child) - V(parent) (all if none has one; at most --tree-edges-per-prompt of a tree) is its segment
+    after the prompt and the segments above it. Returns (those prompts, the segments, the leaves' rewards, the
+    edges' advantages, metrics)."""
+    tree = grow_tree(generator, tokenizer, prompts, rows, args.tree_depth, args.tree_branching,
+                     args.tree_segment_tokens, args.max_response_tokens, args.temperature, args.top_p)
+    node_advantages = edge_advantages(tree.parents, tree_values(tree.parents, tree.rewards))
+    edges, inner = [n for n in range(len(tree.parents)) if tree.parents[n] >= 0], set(tree.parents)
+    leaves = [n for n in edges if n not in inner]
+    kept = [n for n in edges if abs(node_advantages[n]) > 1e-9] or edges  # zero-advantage edges dropped
+    kept = cap_edges(kept, [tree.prompt_index[n] for n in kept], args.tree_edges_per_prompt)  # released: 32
+    leaf_lengths = [len(tree.prefixes[n]) + len(tree.segments[n].token_ids) for n in leaves]
+    metrics = dict(tree_leaves=len(leaves) / len(prompts), edges_kept=len(kept) / len(edges),
+                   response_length=sum(leaf_lengths) / len(leaves),
+                   truncated=sum(tree.segments[n].finish_reason == "length" for n in leaves) / len(leaves),
+                   mc_tokens=sum(len(tree.segments[n].token_ids) for n in set(edges) - set(kept)))
+    return ([prompts[tree.prompt_index[n]] + tree.prefixes[n] for n in kept], [tree.segments[n] for n in kept],
+            torch.tensor([tree.rewards[n] for n in leaves]), [node_advantages[n] for n in kept], metrics)
 
 
 def aggregate(token_losses, mask, aggregation, num_sequences=None, num_tokens=None, max_length=None):
@@ -264,8 +314,8 @@ def check_args(args):
     if args.mode == "tree":  # SPO-tree's rollout: --tree-prompts trees
         args.prompts_per_step = args.tree_prompts
     if min(args.mc_samples, args.cut_interval, args.tree_depth, args.tree_segment_tokens, args.tree_branching - 1) < 1:
-        raise infra.UserError("--mc-samples, --cut-interval, --tree-depth and --tree-segment-tokens must be at least 1, "
-                               "--tree-branching at least 2")
+        raise infra.UserError("--mc-samples, --cut-interval, --tree-depth and --tree-segment-tokens must be at least "
+                               "1, --tree-branching at least 2")
     if not 0 < args.prob_threshold <= 1:
         raise infra.UserError(f"--prob-threshold must be in (0, 1], got {args.prob_threshold}")
     rollout_size = args.prompts_per_step * args.samples_per_prompt
@@ -274,7 +324,8 @@ def check_args(args):
     if args.mode == "tree":  # the number of training samples (edges) varies: any split works
         return
     mini_batch_size = rollout_size // args.mini_batches
-    if rollout_size % args.mini_batches or not mini_batch_size or mini_batch_size % min(args.micro_batch_size, mini_batch_size):
+    if rollout_size % args.mini_batches or not mini_batch_size \
+            or mini_batch_size % min(args.micro_batch_size, mini_batch_size):
         raise infra.UserError(f"a rollout of {rollout_size} samples does not split into {args.mini_batches} "
                                f"mini-batches of whole micro-batches of {args.micro_batch_size}")
 
@@ -287,8 +338,10 @@ def main():
                                           gradient_checkpointing=args.gradient_checkpointing)
     reference = None
     if args.kl_coef > 0:
-        reference = common.load_model(args.model, args.dtype, run.device, args.trust_remote_code)[0].requires_grad_(False)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=args.adam_betas, weight_decay=args.weight_decay)
+        reference = common.load_model(args.model, args.dtype, run.device, args.trust_remote_code)[0]
+        reference.requires_grad_(False)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=args.adam_betas,
+                                  weight_decay=args.weight_decay)
     models, optimizers = {"policy": policy}, {"policy": optimizer}
     generator = run.start(models, optimizers, tokenizer)  # logs, --resume's checkpoint, the rollout engine
     if args.eval_only:  # evaluate and exit, through the same code as the evaluations during training
@@ -300,56 +353,28 @@ def main():
         step_start = time.time()
         rows = run.training_rows(step)  # this rank's prompts
         prompts = [common.prompt_ids(tokenizer, row["question"]) for row in rows]
-        if args.mode == "chain":
-            completions = generator.generate(prompts, args.samples_per_prompt, args.max_response_tokens,
-                                             args.temperature, args.top_p)
-            # 2. Reward: 1 for a correct final answer, 0 otherwise and for a truncated response.
-            rewards = torch.tensor([common.score(c.text, rows[c.prompt_index])
-                                    if c.finish_reason == "stop" else 0.0 for c in completions])
-            sample_prompts = [prompts[c.prompt_index] for c in completions]
+        if args.mode == "chain":  # 2. Reward: 1 for a correct final answer, 0 otherwise and for a truncated response.
+            sample_prompts, completions, rewards = chain_rollout(generator, prompts, rows, args)
         else:  # 2. the leaves are scored inside grow_tree; each edge with a nonzero advantage is a sample
-            tree = grow_tree(generator, tokenizer, prompts, rows, args.tree_depth, args.tree_branching,
-                             args.tree_segment_tokens, args.max_response_tokens, args.temperature, args.top_p)
-            node_advantages = edge_advantages(tree.parents, tree_values(tree.parents, tree.rewards))
-            edges, inner = [n for n in range(len(tree.parents)) if tree.parents[n] >= 0], set(tree.parents)
-            leaves = [n for n in edges if n not in inner]
-            kept = [n for n in edges if abs(node_advantages[n]) > 1e-9] or edges  # zero-advantage edges dropped
-            kept = cap_edges(kept, [tree.prompt_index[n] for n in kept], args.tree_edges_per_prompt)  # released: 32
-            completions = [tree.segments[n] for n in kept]
-            sample_prompts = [prompts[tree.prompt_index[n]] + tree.prefixes[n] for n in kept]
-            rewards = torch.tensor([tree.rewards[n] for n in leaves])
-            leaf_lengths = [len(tree.prefixes[n]) + len(tree.segments[n].token_ids) for n in leaves]
-            extra = dict(tree_leaves=len(leaves) / len(prompts), edges_kept=len(kept) / len(edges),
-                         response_length=sum(leaf_lengths) / len(leaves),
-                         truncated=sum(tree.segments[n].finish_reason == "length" for n in leaves) / len(leaves),
-                         mc_tokens=sum(len(tree.segments[n].token_ids) for n in set(edges) - set(kept)))
+            sample_prompts, completions, rewards, advantages, extra = tree_rollout(generator, tokenizer, prompts,
+                                                                                   rows, args)
         batch = common.sequence_batch(sample_prompts, [c.token_ids for c in completions],
                                       tokenizer.pad_token_id).to(run.device)
         mask = batch.response_mask
         rollout_seconds = time.time() - step_start
-        # 3. Old (and reference) log-probs recomputed by the trainer; p_j at the sampling temperature; advantages.
+        # 3. Old (and reference) log-probs recomputed by the trainer; advantages.
         old_logprobs = common.batched(lambda micro: common.response_logprobs(policy, micro, args.temperature),
                                       batch, args.micro_batch_size, args.micro_batch_tokens)
         if reference is not None:
-            reference_logprobs = common.batched(lambda micro: common.response_logprobs(reference, micro, args.temperature),
-                                                batch, args.micro_batch_size, args.micro_batch_tokens)
-        low_probability = probability_mask(old_logprobs, mask, args.prob_threshold)
+            reference_logprobs = common.batched(
+                lambda micro: common.response_logprobs(reference, micro, args.temperature),
+                batch, args.micro_batch_size, args.micro_batch_tokens)
+        low_probability = probability_mask(old_logprobs, mask, args.prob_threshold)  # p_j at the sampling temperature
         if args.mode == "chain":  # Monte Carlo values at the cutpoints, with the policy before this update
-            mc_start, lengths = time.time(), mask.sum(1).tolist()
-            cuts = [cutpoints(old_logprobs[row, :n].exp(), args.prob_threshold, args.cut_interval)
-                    for row, n in enumerate(lengths)]
-            cut_rows = [(row, cut) for row in range(len(completions)) for cut in cuts[row]]
-            estimates, mc_tokens = common.monte_carlo_values(  # one engine request (n = K) per distinct prefix
-                generator, tokenizer, [(sample_prompts[row], completions[row].token_ids[:cut + 1]) for row, cut in cut_rows],
-                [rows[completions[row].prompt_index] for row, _ in cut_rows], args.mc_samples,
-                args.max_response_tokens, args.temperature, args.top_p)
-            estimates = iter(estimates.tolist())
-            cut_values = [[next(estimates) for _ in row_cuts] for row_cuts in cuts]
-            token_advantages = chain_advantages(rewards, cuts, cut_values, mask).to(run.device)  # a cut -1: the prompt
-            extra = dict(mc_tokens=mc_tokens, cutpoints_per_response=sum(map(len, cuts)) / len(cuts),
-                         mc_s=time.time() - mc_start)
-        else:
-            token_advantages = torch.tensor([node_advantages[n] for n in kept], device=run.device)[:, None] * mask
+            token_advantages, extra = chain_mc_advantages(generator, tokenizer, sample_prompts, completions, rows,
+                                                          rewards, old_logprobs, mask, args)
+        else:  # every token of an edge's segment carries the edge's advantage
+            token_advantages = torch.tensor(advantages, device=run.device)[:, None] * mask
         loss_mask = low_probability if args.probability_mask else mask  # the probability mask
         if args.whiten_advantages:
             token_advantages = masked_whiten(token_advantages, loss_mask)
@@ -366,24 +391,27 @@ def main():
                 for group in optimizer.param_groups:
                     group["lr"] = args.lr * lr_factor(update, args.steps * args.epochs * args.mini_batches,
                                                       args.lr_warmup, args.lr_schedule)
-                counts = dict(num_sequences=len(mini_batch), num_tokens=infra.dist.rank_mean(loss_mask[mini_batch].sum()),
+                counts = dict(num_sequences=len(mini_batch),
+                              num_tokens=infra.dist.rank_mean(loss_mask[mini_batch].sum()),
                               max_length=args.max_response_tokens)
                 mini_batch_loss = 0.0
-                for micro in common.micro_batches(mini_batch, batch.lengths(), args.micro_batch_size, args.micro_batch_tokens):
+                for micro in common.micro_batches(mini_batch, batch.lengths(), args.micro_batch_size,
+                                                  args.micro_batch_tokens):
                     micro_batch = batch.select(micro)
                     micro_mask, width = micro_batch.response_mask, micro_batch.response_width
                     micro_loss_mask = loss_mask[micro, :width]
                     logprobs = common.response_logprobs(policy, micro_batch, args.temperature)
-                    loss, clip_fraction = policy_loss(logprobs, old_logprobs[micro, :width],
-                                                      token_advantages[micro, :width], micro_loss_mask,
-                                                      args.clip_low, args.clip_high, args.aggregation, **counts)
-                    if reference is not None:  # SPO: k3 summed over each sequence's loss tokens, mean over sequences
+                    loss, clip_fraction = policy_loss(
+                        logprobs, old_logprobs[micro, :width], token_advantages[micro, :width], micro_loss_mask,
+                        args.clip_low, args.clip_high, args.aggregation, **counts)
+                    if reference is not None:
                         kl = kl_loss(logprobs, reference_logprobs[micro, :width], micro_loss_mask, len(mini_batch))
                         loss = loss + args.kl_coef * kl
                     loss.backward()
                     mini_batch_loss += loss.item()
                     history["clip_fraction"].append(clip_fraction.item())
-                    history["approx_kl"].append(k3_kl(old_logprobs[micro, :width], logprobs.detach())[micro_mask].mean().item())
+                    kl = k3_kl(old_logprobs[micro, :width], logprobs.detach())
+                    history["approx_kl"].append(kl[micro_mask].mean().item())
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
                 finite = run.update_ok(step, grad_norm)  # too many skips in a row: save, stop
                 if finite:  # a non-finite gradient skips the step, weights untouched

@@ -87,7 +87,8 @@ def test_evaluate_avg_and_pass_at_k_by_hand(tokenizer):
                [(wrong, "stop")] * 4]
     generator = ScriptedGenerator(tokenizer, scripts)
     rng_before = torch.get_rng_state()
-    metrics = infra.evaluate.evaluate(generator, tokenizer, {"set": rows}, n=4, max_tokens=9, temperature=1.0, top_p=0.95)
+    metrics = infra.evaluate.evaluate(generator, tokenizer, {"set": rows}, n=4, max_tokens=9, temperature=1.0,
+                                      top_p=0.95)
     assert torch.equal(torch.get_rng_state(), rng_before)  # evaluation leaves the training RNG alone
     assert generator.calls == [(2, 4, 9, 1.0, 0.95)]  # one request, the eval flags passed through
     # correct counts: row 0 -> c = 2 of 4, row 1 -> 0 of 4
@@ -187,17 +188,9 @@ def test_repetition_rate_in_rollout_metrics_drops_the_eos():
 
 
 # ---------------------------------------------------------------- --eval-only end to end
-def _wired(trainer):
-    with open(os.path.join(ROOT, trainer)) as handle:
-        source = handle.read()
-    return "eval_only" in source and "eval_datasets" in source
-
-
 @needs_data
 @pytest.mark.parametrize("trainer", ["grpo.py"])
 def test_eval_only_on_math500_end_to_end(trainer, tmp_path):
-    if not _wired(trainer):
-        pytest.skip(f"{trainer} has no --eval-only / --eval-datasets yet")
     math500 = os.path.join(DATA, "math500", "test.jsonl")
     result = subprocess.run([sys.executable, trainer, "--eval-only", "--model", "tiny", "--eval-datasets", math500,
                              "--eval-n", "2", "--eval-problems", "8", "--eval-max-tokens", "16",

@@ -150,3 +150,91 @@ def test_same_seed_same_numbers():
     first, _, _ = fl.run_one(4, 0, args)
     second, _, _ = fl.run_one(4, 0, args)
     assert first == second
+
+
+# ---------------------------------------------------------------- hand-built trajectories: batch, losses, critics
+def test_flatten_by_hand():
+    trajs = [np.array([0, 1, 2]), np.array([5]), np.array([3, 4])]
+    states, prev, targets, starts, lengths = fl.flatten(trajs, np.array([1.0, 0.0, 0.5]), [2, 0, 1], n_cells=9)
+    assert states.tolist() == [3, 4, 0, 1, 2, 5]
+    assert prev.tolist() == [9, 3, 9, 0, 1, 9]  # n_cells at each trajectory's start, else the cell before
+    assert targets.tolist() == [0.5, 0.5, 1.0, 1.0, 1.0, 0.0]  # each position gets its trajectory's outcome
+    assert starts.tolist() == [0, 2, 5] and lengths.tolist() == [2, 3, 1]
+
+
+def test_anchor_mask_by_hand():
+    assert fl.anchor_mask(11).tolist() == [0, 0, 0, 1, 0, 0, 1, 0, 0, 1, 0]  # anchors 3, 6, 9
+    assert fl.anchor_mask(4).tolist() == [0, 1, 1, 0]  # anchors 1, 2
+    assert fl.anchor_mask(2).tolist() == [1, 0] and fl.anchor_mask(1).tolist() == [1]
+
+
+def test_critic_losses_by_hand():
+    # Two trajectories, T = 4 (R = 1, anchors 1 and 2) and T = 2 (R = 0, anchor 0), flat as `flatten` gives them.
+    out = torch.tensor([0.0, 0.5, 1.0, 3.0, 0.2, -2.0], requires_grad=True)
+    targets = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 0.0])
+    starts = np.array([0, 4])
+    anchors = torch.from_numpy(np.concatenate([fl.anchor_mask(4), fl.anchor_mask(2)]))
+    squared = [1.0, 0.25, 0.0, 4.0, 0.04, 4.0]
+    # dense, seq-mean (the default): each trajectory's mean, then the mean of the 2; token-mean: over the 6
+    dense = fl.critic_loss("dense", out, targets, starts, anchors)
+    assert dense.item() == pytest.approx((sum(squared[:4]) / 4 + sum(squared[4:]) / 2) / 2)
+    token_mean = fl.critic_loss("dense", out, targets, starts, anchors, "token-mean")
+    assert token_mean.item() == pytest.approx(sum(squared) / 6)
+    # anchors: (0.25 + 0) / 2 for the first trajectory, 0.04 for the second, mean over the 2 trajectories
+    anchored = fl.critic_loss("anchors", out, targets, starts, anchors)
+    assert anchored.item() == pytest.approx(((0.25 + 0.0) / 2 + 0.04) / 2)
+    anchored.backward()
+    assert out.grad.tolist() == pytest.approx([0, 2 * -0.5 / 4, 0, 0, 2 * 0.2 / 2, 0])  # nothing off the anchors
+    # token-mean over the 3 anchors
+    assert fl.critic_loss("anchors", out, targets, starts, anchors, "token-mean").item() == pytest.approx(0.29 / 3)
+    # tracking: z = cumsum per trajectory = [0, 0.5, 1.5, 4.5 | 0.2, -1.8]; BCE at every position, seq-mean
+    z = torch.tensor([0.0, 0.5, 1.5, 4.5, 0.2, -1.8])
+    bce = torch.cat([torch.nn.functional.softplus(-z[:4]), torch.nn.functional.softplus(z[4:])])
+    by_hand = (bce[:4].mean() + bce[4:].mean()) / 2
+    assert fl.critic_loss("tracking", out, targets, starts, anchors).item() == pytest.approx(by_hand.item(), abs=1e-6)
+
+
+def test_each_critic_learns_its_own_targets():
+    # 2x2 map; path 0 -> 3 always wins, path 3 -> 0 always loses. Dense targets: R at every position, so each cell
+    # sees 1 and 0 equally: 1/2. Anchors (T = 2: position 0 only): cell 0 -> 1, cell 3 -> 0. Tracking: V follows
+    # the path (z_0 from the start cell): ~1 on the winning path, ~0 on the losing one.
+    trajs = [np.array([0, 3])] * 4 + [np.array([3, 0])] * 4
+    outcomes = np.array([1.0] * 4 + [0.0] * 4)
+    features = fl.cell_features(2, 1.0)
+    args = fl.Args(steps=200, batch_trajectories=8, hidden=16, lr=1e-2)
+    expected = {"dense": [[0.5, 0.5], [0.5, 0.5]], "anchors": [[1, 0], [0, 1]], "tracking": [[1, 1], [0, 0]]}
+    for kind in fl.CRITICS:
+        net = fl.train_critic(kind, trajs, outcomes, features, args, seed=0)
+        predicted = fl.predict(kind, net, features, [np.array([0, 3]), np.array([3, 0])])
+        assert np.allclose(predicted, expected[kind], atol=0.05), (kind, predicted)
+
+
+def test_predict_by_hand():
+    # One-hot cells and linear critics: dense reads w[cell]; tracking reads a[previous or start] + b[cell] per
+    # transition and accumulates it along the trajectory before the sigmoid.
+    features = torch.eye(3)
+    dense = torch.nn.Linear(3, 1, bias=False)
+    tracking = torch.nn.Linear(6, 1, bias=False)
+    with torch.no_grad():
+        dense.weight[:] = torch.tensor([[0.1, 0.2, 0.3]])
+        tracking.weight[:] = torch.tensor([[0.1, 0.2, 0.3, -1.0, 0.5, 0.25]])  # a, then b; a[start] = 0 (zero input)
+    trajs = [np.array([0, 2, 1]), np.array([2])]
+    values = fl.predict("dense", dense, features, trajs)
+    assert [v.tolist() for v in values] == [pytest.approx([0.1, 0.3, 0.2]), pytest.approx([0.3])]
+    values = fl.predict("tracking", tracking, features, trajs)
+    # z_0 = b[s_0] = -1; delta_1 = a[0] + b[2] = 0.35; delta_2 = a[2] + b[1] = 0.8. Second trajectory: b[2].
+    logits = [[-1.0, -0.65, 0.15], [0.25]]
+    assert values[0].tolist() == pytest.approx(torch.sigmoid(torch.tensor(logits[0])).tolist())
+    assert values[1].tolist() == pytest.approx(torch.sigmoid(torch.tensor(logits[1])).tolist())
+
+
+def test_tabular_target_mse_by_hand():
+    # Cell 0 visited by both training trajectories (R = 1, R = 0), cell 1 by the first, cell 2 by the second:
+    # all positions: means 0.5, 1, 0. Anchors (T = 2: position 0 only): cell 0 -> 0.5; cells 1 and 2 unseen.
+    train = [np.array([0, 1]), np.array([0, 2])]
+    outcomes = np.array([1.0, 0.0])
+    test, exact = [np.array([0, 1]), np.array([2])], [np.array([0.7, 0.9]), np.array([0.4])]
+    all_positions = fl.tabular_target_mse(train, outcomes, test, exact, np.arange, 3)
+    assert all_positions == pytest.approx((0.2 ** 2 + 0.1 ** 2 + 0.4 ** 2) / 3)
+    anchors = fl.tabular_target_mse(train, outcomes, test, exact, fl.anchor_positions, 3)
+    assert anchors == pytest.approx(0.2 ** 2)  # only cell 0 was seen at an anchor; the others are NaN, left out

@@ -197,9 +197,9 @@ def test_k3_kl_hand_computed():
 # The loss of a mini-batch must not depend on how it is split into micro-batches (tiny model).
 # ----------------------------------------------------------------------------------------------
 QUESTIONS = ["478+365", "12+5", "999+999", "1+1", "305+217", "7+80", "640+123", "55+44"]
-RESPONSES = ["8+5+0=13 7+6+1=14 4+3+1=8 \\boxed{843}", "2+5+0=7 \\boxed{17}", "9+9+0=18 9+9+1=19 9+9+1=19 \\boxed{1998}",
-             "1+1+0=2", "5+7+0=12 0+1+1=2 3+2+0=5 \\boxed{522}", "7+0+0=7 \\boxed{87", "0+3+0=3 4+2+0=6 6+1+0=7 \\boxed{763}",
-             "5+4+0=9 5+4+0=9 \\boxed{99}"]
+RESPONSES = ["8+5+0=13 7+6+1=14 4+3+1=8 \\boxed{843}", "2+5+0=7 \\boxed{17}",
+             "9+9+0=18 9+9+1=19 9+9+1=19 \\boxed{1998}", "1+1+0=2", "5+7+0=12 0+1+1=2 3+2+0=5 \\boxed{522}",
+             "7+0+0=7 \\boxed{87", "0+3+0=3 4+2+0=6 6+1+0=7 \\boxed{763}", "5+4+0=9 5+4+0=9 \\boxed{99}"]
 
 
 def training_batch(tokenizer):
@@ -345,12 +345,13 @@ def test_grpo_args_tiny_preset_and_published_defaults():
     assert (real.steps, real.prompts_per_step, real.samples_per_prompt, real.lr) == (500, 64, 8, 1e-6)
     assert (real.clip_low, real.clip_high, real.mini_batches, real.max_response_tokens) == (0.2, 0.2, 2, 8192)
     assert (real.temperature, real.grad_clip, real.kl_coef, real.aggregation) == (1.0, 1.0, 0.0, "token-mean")
-    assert (real.truncated_is, real.tis_cap, real.gradient_checkpointing, real.micro_batch_tokens) == ("auto", 2.0, True, 0)
+    assert (real.truncated_is, real.tis_cap, real.gradient_checkpointing, real.micro_batch_tokens) == \
+        ("auto", 2.0, True, 0)
     assert tiny.gradient_checkpointing is False  # the tiny demo needs no activation memory savings
 
 
 # ----------------------------------------------------------------------------------------------
-# Truncated importance sampling (engine/trainer mismatch), the same function in all six trainers.
+# Truncated importance sampling (engine/trainer mismatch); test_skeleton.py checks the six copies are one.
 # ----------------------------------------------------------------------------------------------
 def test_truncated_importance_weights_hand_computed():
     trainer = torch.tensor([[-1.0, -2.0, -0.5, -3.0]])
@@ -372,14 +373,6 @@ def test_weighting_advantages_equals_weighting_the_clipped_token_loss():
     by_hand = (weights * torch.maximum(-advantages * ratio, -advantages * ratio.clamp(0.8, 1.2))).mean()
     loss, _ = grpo.policy_loss(logprobs, torch.zeros(1, 5), advantages * weights, mask)
     assert loss.item() == pytest.approx(by_hand.item(), abs=1e-6)
-
-
-@pytest.mark.parametrize("trainer", ["ppo", "sp3o", "tppo", "sppo", "spo"])
-def test_truncated_importance_weights_are_the_same_in_every_trainer(trainer):
-    import importlib
-    import inspect
-    module = importlib.import_module(trainer)
-    assert inspect.getsource(module.truncated_importance_weights) == inspect.getsource(grpo.truncated_importance_weights)
 
 
 # ----------------------------------------------------------------------------------------------

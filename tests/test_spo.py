@@ -1,10 +1,12 @@
 """Tests for spo.py: cutpoints, chain advantages, the probability mask and its whitening, tree values and edge
-advantages, the Monte Carlo estimator and the tree sampler on a scripted rollout engine, and 2-step runs."""
+advantages, the Monte Carlo estimator, the tree sampler and the chain and tree rollouts on scripted rollout engines,
+and 2-step runs."""
 import json
 import math
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -253,6 +255,91 @@ def test_grow_tree_on_a_scripted_engine():
     assert tree.parents == [-1, 0, 0] and tree.rewards == [0.0, 1.0, 0.0] and len(generator.calls) == 1
 
 
+TREE_ARGS = SimpleNamespace(tree_depth=2, tree_branching=2, tree_segment_tokens=12, max_response_tokens=40,
+                            temperature=0.6, top_p=1.0, tree_edges_per_prompt=32)
+
+
+def test_tree_rollout_on_a_scripted_engine():
+    # Two prompts, branching 2, depth 2 (the engine of test_grow_tree_on_a_scripted_engine). Q (gold 7): roots 0, 1;
+    # level 1: 2 = "\boxed{7}" (1), 3 = "z" * 12 (open); R (gold 8): 4 = "\boxed{7}" (0), 5 (open); level 2 under
+    # 3: 6 (1), 7 (truncated, 0); under 5: 8 (0), 9 (truncated, 0). V(3) = 1/2, V(0) = 3/4; R's tree is all 0: its
+    # edges have advantage 0 and are dropped.
+    prompts, rows = [encode("Q"), encode("R")], [{"answer": "7"}, {"answer": "8"}]
+    generator = ScriptedGenerator(["\\boxed{7}", "z" * 100 + "*"])
+    sample_prompts, segments, rewards, advantages, metrics = spo.tree_rollout(generator, CharTokenizer(), prompts,
+                                                                              rows, TREE_ARGS)
+    assert [encode("Q") + encode("z" * 12)] == generator.calls[1][0][:1]  # Q's open node 3 grows first
+    assert sample_prompts == [encode("Q"), encode("Q"), encode("Q" + "z" * 12), encode("Q" + "z" * 12)]
+    assert [s.text for s in segments] == ["\\boxed{7}", "z" * 12, "\\boxed{7}", "z" * 28]  # edges 2, 3, 6, 7
+    assert advantages == pytest.approx([0.25, -0.25, 0.5, -0.5])
+    assert rewards.tolist() == [1.0, 0.0, 1.0, 0.0, 0.0, 0.0]  # the leaves 2, 4, 6, 7, 8, 9
+    # 6 leaves of 2 trees; 4 of 8 edges kept; leaf lengths 10, 10, 22, 40, 22, 40; leaves 7 and 9 truncated; the
+    # dropped edges 4, 5, 8, 9 hold 10 + 12 + 10 + 28 generated tokens
+    assert metrics == pytest.approx(dict(tree_leaves=3.0, edges_kept=0.5, response_length=24.0, truncated=2 / 6,
+                                         mc_tokens=60))
+    # at most tree_edges_per_prompt kept edges of a tree
+    capped = spo.tree_rollout(ScriptedGenerator(["\\boxed{7}", "z" * 100 + "*"]), CharTokenizer(), prompts, rows,
+                              SimpleNamespace(**{**vars(TREE_ARGS), "tree_edges_per_prompt": 1}))
+    assert len(capped[3]) == 1 and capped[3][0] in (0.25, -0.25, 0.5, -0.5)
+    # no edge with a nonzero advantage: every edge is kept, with advantage 0
+    sample_prompts, _, rewards, advantages, metrics = spo.tree_rollout(
+        ScriptedGenerator(["\\boxed{7}", "z" * 100 + "*"]), CharTokenizer(), [encode("R")], rows[1:], TREE_ARGS)
+    assert advantages == [0.0] * 4 and metrics["edges_kept"] == 1.0 and rewards.tolist() == [0.0] * 3
+    assert sample_prompts == [encode("R"), encode("R"), encode("R" + "z" * 12), encode("R" + "z" * 12)]
+
+
+def test_chain_rollout_scores_each_sample_against_its_own_prompt():
+    # 2 prompts x G = 2: sample 0 of each request answers "\boxed{7}", sample 1 never stops (truncated: 0)
+    generator = ScriptedGenerator(["\\boxed{7}", "z" * 100 + "*"])
+    args = SimpleNamespace(samples_per_prompt=2, max_response_tokens=40, temperature=0.6, top_p=1.0)
+    sample_prompts, completions, rewards = spo.chain_rollout(generator, [encode("P"), encode("Q")],
+                                                             [{"answer": "7"}, {"answer": "8"}], args)
+    assert sample_prompts == [encode("P"), encode("P"), encode("Q"), encode("Q")]
+    assert [c.finish_reason for c in completions] == ["stop", "length", "stop", "length"]
+    assert rewards.tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert generator.calls == [([encode("P"), encode("Q")], 2, 40)]
+
+
+class EchoGenerator:
+    """Every continuation of a state answers "\\boxed{c}", c the state's first character (its one-character
+    prompt), or "\\boxed{0}" when the state holds an "x"; + EOS."""
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, prompts, n=1, max_tokens=256, temperature=1.0, top_p=1.0):
+        self.calls.append(prompts)
+        out = []
+        for index, state in enumerate(prompts):
+            answer = "0" if ord("x") in state else chr(state[0])
+            tokens = encode("\\boxed{" + answer + "}") + [0]
+            out.extend(common.Completion(index, tokens, CharTokenizer().decode(tokens), [0.0] * len(tokens), "stop")
+                       for _ in range(n))
+        return out
+
+
+def test_chain_mc_advantages_value_each_cut_from_its_own_prompt_and_prefix():
+    # Prompts "7" (gold 7) and "8" (gold 8); samples 0 and 1 answer "7", sample 2 answers "8". A continuation is right
+    # (V = 1) from its own prompt unless its prefix holds an "x" (V = 0). Interval 1, p < 0.9 is low:
+    # sample 0 "axbc", p [.5, .95, .5, .95], R = 1: cuts -1, 1 with V 1, 0: tokens 0-1 get 0 - 1, tokens 2-3 1 - 0;
+    # sample 1 "ab", p [.95, .5], R = 0: cut 0 with V 1: token 0 gets 0 (before the first cut), token 1 0 - 1;
+    # sample 2 "xb", p [.5, .5], R = 1: cuts -1, 0 with V 1, 0: token 0 gets 0 - 1, token 1 1 - 0.
+    prompts, rows = [encode("7"), encode("8")], [{"answer": "7"}, {"answer": "8"}]
+    responses = [(0, "axbc"), (0, "ab"), (1, "xb")]
+    completions = [common.Completion(p, encode(text), text, [0.0] * len(text), "stop") for p, text in responses]
+    probs = torch.tensor([[0.5, 0.95, 0.5, 0.95], [0.95, 0.5, 1.0, 1.0], [0.5, 0.5, 1.0, 1.0]])
+    mask = torch.arange(4)[None, :] < torch.tensor([4, 2, 2])[:, None]
+    args = SimpleNamespace(prob_threshold=0.9, cut_interval=1, mc_samples=2, max_response_tokens=40,
+                           temperature=0.6, top_p=1.0)
+    generator = EchoGenerator()
+    advantages, metrics = spo.chain_mc_advantages(generator, CharTokenizer(), [prompts[p] for p, _ in responses],
+                                                  completions, rows, torch.tensor([1.0, 0.0, 1.0]), probs.log(), mask,
+                                                  args)
+    assert advantages.tolist() == [[-1.0, -1.0, 1.0, 1.0], [0.0, -1.0, 0.0, 0.0], [-1.0, 1.0, 0.0, 0.0]]
+    # one engine call, one request per distinct state: ("7", ""), ("7", "ax"), ("7", "a"), ("8", ""), ("8", "x")
+    assert [len(call) for call in generator.calls] == [5]
+    assert metrics["mc_tokens"] == 5 * 2 * 10 and metrics["cutpoints_per_response"] == pytest.approx(5 / 3)
+
+
 def run_two_steps(tmp_path, name, *flags):
     command = [sys.executable, os.path.join(ROOT, "spo.py"), "--steps", "2", "--prompts-per-step", "4",
                "--eval-problems", "16", "--run-name", name, "--output-dir", str(tmp_path), *flags]
@@ -268,12 +355,16 @@ def run_two_steps(tmp_path, name, *flags):
 
 def test_chain_two_steps_end_to_end(tmp_path):
     for record in run_two_steps(tmp_path, "e2e_spo_chain", "--micro-batch-size", "16"):
-        # 4 prompts x 8 samples: the policy's tokens are 32 x the mean response length
-        assert record["policy_tokens"] == pytest.approx(32 * record["response_length"])
-        assert record["mc_tokens"] >= 0 and record["mc_tokens"] == int(record["mc_tokens"])
+        # low-probability tokens are some of the policy's tokens (4 prompts x 8 samples, at most 48 tokens each)
+        assert 32 <= record["policy_tokens"] <= 32 * 48
+        assert record["low_probability_tokens"] <= record["policy_tokens"] / 32
+        # Monte Carlo tokens: K = 4 continuations of at most 48 tokens per cutpoint, none without cutpoints
+        assert record["mc_tokens"] <= record["cutpoints_per_response"] * 32 * 4 * 48
+        assert (record["mc_tokens"] > 0) == (record["cutpoints_per_response"] > 0)
         # interval 5 (published, and the tiny preset's): one cut per 5 low-probability tokens, rounded up
-        assert record["cutpoints_per_response"] <= record["low_probability_tokens"]
-        assert record["cutpoints_per_response"] > 0 or record["low_probability_tokens"] == 0
+        low = record["low_probability_tokens"]
+        assert low / 5 <= record["cutpoints_per_response"] <= low
+        assert record["cutpoints_per_response"] > 0 or low == 0
 
 
 def test_tree_two_steps_end_to_end(tmp_path):
@@ -282,4 +373,5 @@ def test_tree_two_steps_end_to_end(tmp_path):
         assert 2 <= record["tree_leaves"] <= 8  # branching 2, depth 3
         assert 0 < record["edges_kept"] <= 1
         # the leaves' mean reward over 4 prompts x tree_leaves leaves
-        assert record["reward"] * 4 * record["tree_leaves"] == pytest.approx(round(record["reward"] * 4 * record["tree_leaves"]))
+        correct_leaves = record["reward"] * 4 * record["tree_leaves"]
+        assert correct_leaves == pytest.approx(round(correct_leaves))

@@ -113,7 +113,9 @@ def test_two_steps_end_to_end(tmp_path):
         assert all(math.isfinite(v) for v in record.values())
         # one sample for each of 4 prompts: the mean reward is a multiple of 1/4
         assert record["reward"] * 4 == pytest.approx(round(record["reward"] * 4))
-        assert record["value_loss"] > 0 and record["explained_variance"] <= 1
+        # V(x) against R over the 4 samples: a prompt critic after at most 2 steps explains little (seeds 0-2: -0.52
+        # to 0.25); 1 would mean the values were the rewards themselves
+        assert record["value_loss"] > 0 and -5 < record["explained_variance"] < 0.9
         # the probe compares V(x) = sigmoid(f(x)) with a Monte Carlo value at the prompt only: both in [0, 1]
         assert 0 <= record["probe/mse_prompt"] <= 1 and 0 < record["probe/value_mean"] < 1
         assert "probe/mse_30" not in record

@@ -20,7 +20,7 @@ import infra.run
 
 def test_tracking_logits_are_z0_plus_cumulative_increments():
     init_logit = torch.tensor([0.5, -1.0])
-    increments = torch.tensor([[9.0, 1.0, 2.0, 3.0], [9.0, 0.5, 7.0, 7.0]])  # column 0 (s_0) holds z_0, not an increment
+    increments = torch.tensor([[9.0, 1.0, 2.0, 3.0], [9.0, 0.5, 7.0, 7.0]])  # column 0 (s_0): z_0, not an increment
     mask = torch.tensor([[True, True, True, True], [True, True, False, False]])
     # Row 0: 0.5, 0.5 + 1, 1.5 + 2, 3.5 + 3. Row 1: -1, -1 + 0.5, then padding reads 0 (the 7s are ignored).
     expected = torch.tensor([[0.5, 1.5, 3.5, 6.5], [-1.0, -0.5, 0.0, 0.0]])
@@ -37,7 +37,8 @@ def test_tracking_logits_ignore_padding_values():
     assert not logits[~mask].any() and torch.equal(logits[:3, 0], init_logit[:3])
     # A masked token inside a response adds no increment: the logit carries over it.
     holed = torch.tensor([[True, False, True]])
-    assert tppo.tracking_value_logits(torch.tensor([1.0]), torch.tensor([[5.0, 2.0, 3.0]]), holed).tolist() == [[1.0, 0.0, 4.0]]
+    logits = tppo.tracking_value_logits(torch.tensor([1.0]), torch.tensor([[5.0, 2.0, 3.0]]), holed)
+    assert logits.tolist() == [[1.0, 0.0, 4.0]]
 
 
 def fake_critic(outputs):
@@ -53,7 +54,8 @@ def test_critic_logits_read_z0_at_the_last_prompt_token():
     assert tppo.critic_logits(fake_critic(outputs), batch).tolist() == [[1.0, 3.0, 6.0], [6.0, 0.0, 0.0]]
     # Separate head: z_0 is the second output at s_0 (here 100 + column); increments stay the first output.
     two = torch.cat([outputs, outputs + 100], dim=2)
-    assert tppo.critic_logits(fake_critic(two), batch, "separate").tolist() == [[101.0, 103.0, 106.0], [106.0, 0.0, 0.0]]
+    separate = tppo.critic_logits(fake_critic(two), batch, "separate")
+    assert separate.tolist() == [[101.0, 103.0, 106.0], [106.0, 0.0, 0.0]]
 
 
 def test_bce_at_zero_logits_and_its_gradient_by_hand():
@@ -111,8 +113,9 @@ def test_lambda_defaults():
 @pytest.mark.parametrize("head", ["shared", "separate"])
 def test_tppo_two_steps_end_to_end(tmp_path, head):
     name = f"e2e_tppo_{head}"
-    command = [sys.executable, os.path.join(ROOT, "tppo.py"), "--steps", "2", "--prompts-per-step", "4", "--eval-problems",
-               "16", "--micro-batch-size", "16", "--critic-head", head, "--run-name", name, "--output-dir", str(tmp_path)]
+    command = [sys.executable, os.path.join(ROOT, "tppo.py"), "--steps", "2", "--prompts-per-step", "4",
+               "--eval-problems", "16", "--micro-batch-size", "16", "--critic-head", head, "--run-name", name,
+               "--output-dir", str(tmp_path)]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
@@ -123,8 +126,9 @@ def test_tppo_two_steps_end_to_end(tmp_path, head):
         assert 0.0 <= record["eval/accuracy"] <= 1.0
         for key in ("policy_loss", "value_loss", "grad_norm", "critic_grad_norm", "approx_kl"):
             assert math.isfinite(record[key]), key
-    # The head starts at zero: the first mini-batch's BCE is log 2; one critic step later it is at most about that.
-    assert 0.5 < records[0]["value_loss"] < 0.75
+    # The head starts at zero (V = 1/2, BCE = ln 2 for any target: test_wiring.py checks the targets); 2 steps of
+    # critic updates move every output it has, z_0's separate one included.
     from safetensors.torch import load_file
     critic = load_file(os.path.join(tmp_path, name, "checkpoints", "step_000002", "critic", "model.safetensors"))
     assert critic["score.weight"].shape[0] == (2 if head == "separate" else 1)
+    assert (critic["score.weight"].abs().sum(1) > 1e-4).all() and (critic["score.bias"].abs() > 1e-6).all()

@@ -1,0 +1,87 @@
+"""What the loops feed to the critic and the policy (ppo.py family, and SPO's whitening), seen through metrics.jsonl
+of one-step runs.
+
+With one step and one mini-batch, step 0's losses and gradient norms are those of the rollout's models before any
+update, so two seeded runs that differ in a flag see the same rollout and the same initial models, and their
+critic metrics are equal exactly when the critic's targets and weights are. (The skeleton of main() cannot grow a
+function for this without breaking the `diff ppo.py sppo.py` budget, so the loop is tested from outside.)"""
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ONE_STEP = ["--steps", "1", "--mini-batches", "1", "--prompts-per-step", "2", "--micro-batch-size", "32",
+            "--eval-problems", "1", "--seed", "0"]
+CRITIC = ("value_loss", "critic_grad_norm", "explained_variance")
+
+
+@pytest.fixture(scope="module")
+def step_zero(tmp_path_factory):
+    """step_zero(trainer, *flags) -> the step-0 record of `trainer` run for one step with ONE_STEP and `flags`
+    (cached: the tests of this module share runs)."""
+    @functools.lru_cache(maxsize=None)
+    def run(trainer, *flags):
+        output = tmp_path_factory.mktemp("wiring")
+        result = subprocess.run([sys.executable, f"{trainer}.py", *ONE_STEP, *flags, "--run-name", "run",
+                                 "--output-dir", str(output)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert result.returncode == 0, result.stderr[-3000:]
+        with open(os.path.join(output, "run", "metrics.jsonl")) as handle:
+            [record] = [json.loads(line) for line in handle]
+        return record
+    return run
+
+
+def same(first, second, keys):
+    return all(first[key] == pytest.approx(second[key], rel=1e-6, abs=1e-9) for key in keys)
+
+
+VERL = ("--whiten-advantages", "--aggregation", "token-mean")  # verl's recipe (with --critic-warmup 0)
+
+
+def test_whitened_advantages_average_zero_over_the_batch(step_zero):
+    # One mini-batch, ratio 1 before the update: the token-mean PPO loss is -mean(A) over the loss's tokens, which
+    # whitening makes 0; without whitening it is -mean(R - V_t), not 0. (Under seq-mean, ppo.py's and sp3o.py's
+    # published reduction, a whitened batch's loss is not 0 either: token-mean lets the flag alone decide.) SPO (one
+    # epoch here): the same over the low-probability tokens, its k3 KL to the reference is 0 before the update. The
+    # actor's loss is logged during the critic warm-up too.
+    whitened = (("ppo", VERL), ("sp3o", VERL), ("tppo", ()), ("spo", ("--epochs", "1")))
+    for trainer, flags in whitened:
+        assert abs(step_zero(trainer, *flags)["policy_loss"]) < 1e-5, trainer
+    token_mean = ("--aggregation", "token-mean")  # whitening off: the published setting of ppo.py and sp3o.py
+    unwhitened = (("ppo", token_mean), ("sp3o", token_mean), ("tppo", ("--lam-actor", "1", "--no-whiten-advantages")),
+                  ("spo", ("--epochs", "1", "--no-whiten-advantages")))
+    for trainer, flags in unwhitened:
+        assert abs(step_zero(trainer, *flags)["policy_loss"]) > 1e-3, trainer
+
+
+def test_sp3o_critic_is_dense_in_the_warmup_then_anchored(step_zero):
+    # Same seed, same rollout, same initial critic: during the warm-up (the first 5 steps of the tiny preset) SP3O's
+    # critic loss is PPO's dense one (every valid token, seq-mean), after it the anchors' loss, a different number.
+    ppo = step_zero("ppo")
+    warmup = step_zero("sp3o")
+    anchored = step_zero("sp3o", "--critic-warmup", "0")
+    assert warmup["reward"] == ppo["reward"] == anchored["reward"]  # the same rollout
+    assert same(warmup, ppo, CRITIC)
+    assert not same(anchored, ppo, ["value_loss"]) and not same(anchored, ppo, ["critic_grad_norm"])
+    assert math.isfinite(anchored["value_loss"]) and anchored["value_loss"] > 0
+    # token-mean (verl's reduction) changes the dense loss's weights: the warm-up still follows PPO's
+    assert same(step_zero("sp3o", *VERL), step_zero("ppo", *VERL), CRITIC)
+    assert not same(step_zero("ppo", *VERL), ppo, ["critic_grad_norm"])
+
+
+def test_tppo_critic_targets_use_lambda_critic_not_lambda_actor(step_zero):
+    # The critic's targets are GAE returns with lam_critic: changing lam_actor (and whitening, which only touches
+    # the advantages) leaves every critic metric unchanged; changing lam_critic changes the critic's gradient.
+    # (Its loss alone cannot tell: the zero-initialised head reads V = 1/2, and BCE(1/2, G) = ln 2 for any G.)
+    default = step_zero("tppo")
+    other_actor = step_zero("tppo", "--lam-actor", "1", "--no-whiten-advantages")
+    other_critic = step_zero("tppo", "--lam-critic", "0")
+    assert default["reward"] == other_actor["reward"] == other_critic["reward"]  # the same rollout
+    assert same(default, other_actor, CRITIC)
+    assert not same(default, other_critic, ["critic_grad_norm"])
