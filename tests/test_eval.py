@@ -38,6 +38,9 @@ class ScriptedGenerator:
                 out.append(common.Completion(i, ids, text, [0.0] * len(ids), finish))
         return out
 
+    def close(self):  # the engine contract: Run.close shuts the engine down
+        pass
+
 
 @dataclass
 class EvalArgs:

@@ -49,11 +49,12 @@ def test_whitened_advantages_average_zero_over_the_batch(step_zero):
     # whitening makes 0; without whitening it is -mean(R - V_t), not 0. (Under seq-mean, ppo.py's and sp3o.py's
     # published reduction, a whitened batch's loss is not 0 either: token-mean lets the flag alone decide.) SPO (one
     # epoch here): the same over the low-probability tokens, its k3 KL to the reference is 0 before the update. The
-    # actor's loss is logged during the critic warm-up too.
-    whitened = (("ppo", VERL), ("sp3o", VERL), ("tppo", ()), ("spo", ("--epochs", "1")))
+    # actor's loss is logged only once the critic warm-up is over: ppo.py and sp3o.py run with --critic-warmup 0.
+    actor = ("--critic-warmup", "0")
+    whitened = (("ppo", VERL + actor), ("sp3o", VERL + actor), ("tppo", ()), ("spo", ("--epochs", "1")))
     for trainer, flags in whitened:
         assert abs(step_zero(trainer, *flags)["policy_loss"]) < 1e-5, trainer
-    token_mean = ("--aggregation", "token-mean")  # whitening off: the published setting of ppo.py and sp3o.py
+    token_mean = ("--aggregation", "token-mean", *actor)  # whitening off: the published setting of ppo.py and sp3o.py
     unwhitened = (("ppo", token_mean), ("sp3o", token_mean), ("tppo", ("--lam-actor", "1", "--no-whiten-advantages")),
                   ("spo", ("--epochs", "1", "--no-whiten-advantages")))
     for trainer, flags in unwhitened:
