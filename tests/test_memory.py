@@ -2,7 +2,6 @@
 against instantiated models, the one-line refusal of `sp3o.py --model <a Qwen3-4B config>` on an 80 GiB GPU, and
 --offload-optimizer: a short run with it trains and resumes exactly (bit for bit against a run without it)."""
 import dataclasses
-import json
 import os
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import infra.memory as memory
 import infra.cli
 import infra.run
 from infra.memory import GIB, QWEN3, Setup, Shape
+from helpers import records
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -215,14 +215,6 @@ def finish(process):
     output = process.communicate(timeout=900)[0]
     assert process.returncode == 0, output[-3000:]
 
-
-def records(run_dir):
-    by_step = {}
-    with open(os.path.join(run_dir, "metrics.jsonl")) as handle:
-        for line in handle:
-            record = json.loads(line)
-            by_step[record["step"]] = record
-    return by_step
 
 
 def test_offload_optimizer_trains_and_resumes_exactly(tmp_path):

@@ -20,6 +20,7 @@ import common
 import infra.checkpoint
 import infra.data
 import infra.run
+from helpers import kill_then_resume, records
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINERS = [name for name in ("ppo", "grpo", "sppo", "sp3o", "tppo", "spo")
@@ -287,15 +288,6 @@ def assert_same(a, b):
     else:
         assert a == b
 
-
-def records(run_dir):
-    """The last metrics record of each step (a resumed run logs the steps after its checkpoint again)."""
-    by_step = {}
-    with open(os.path.join(run_dir, "metrics.jsonl")) as handle:
-        for line in handle:
-            record = json.loads(line)
-            by_step[record["step"]] = record
-    return by_step
 
 
 @pytest.fixture
@@ -671,26 +663,7 @@ def test_sigterm_saves_a_checkpoint_that_resumes_exactly(tmp_path):
 def test_resume_after_sigkill_is_exact(tmp_path, capsys):
     """6 steps in one run == 3 steps, SIGKILL, then --resume: the same rewards, losses and final parameters."""
     straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
-    straight_run, killed_run = start_grpo(straight), start_grpo(killed)
-    try:
-        third = os.path.join(killed, "checkpoints", "step_000003")
-        deadline = time.monotonic() + 600
-        while not os.path.exists(third) and killed_run.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert os.path.exists(third), killed_run.communicate()[0][-3000:]
-        os.killpg(killed_run.pid, signal.SIGKILL)  # no chance to save anything
-        killed_run.wait(60)
-        assert killed_run.returncode == -signal.SIGKILL
-        resumed_from = max(infra.checkpoint._checkpoint_steps(os.path.join(killed, "checkpoints")))
-        assert resumed_from in (3, 4)  # killed as step 3 began, or just after it ended
-        resumed = start_grpo(killed, "--resume", killed)
-        output = resumed.communicate(timeout=600)[0]
-        assert resumed.returncode == 0, output[-3000:]
-        assert straight_run.wait(600) == 0, straight_run.communicate()[0][-3000:]
-    finally:
-        for process in (straight_run, killed_run):
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
+    resumed_from = kill_then_resume(start_grpo, straight, killed, kill_at=3)
     a, b = records(straight), records(killed)
     assert sorted(a) == sorted(b) == list(range(6))
     table = []

@@ -6,10 +6,8 @@ runs where vLLM imports for this machine's device, i.e. the CPU build (requireme
 virtual environment (.ci/run: `python -m pytest tests/test_vllm.py`) or the CUDA build on a GPU; elsewhere
 those tests skip, saying why.
 """
-import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -28,6 +26,7 @@ import infra.engine
 import infra.run
 import infra.tiny
 from infra import vllm_engine
+from helpers import kill_then_resume, records
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -403,15 +402,6 @@ def check_ok(result):
     assert "Traceback" not in result.stderr, result.stderr[-4000:]
 
 
-def records(run_dir):
-    """The last metrics record of each step (a resumed run logs the steps after its checkpoint again)."""
-    by_step = {}
-    with open(os.path.join(run_dir, "metrics.jsonl")) as handle:
-        for line in handle:
-            record = json.loads(line)
-            by_step[record["step"]] = record
-    return by_step
-
 
 VLLM = ["--generator", "vllm", "--vllm-kv-cache-gib", KV_GIB]
 SMALL = ["--prompts-per-step", 4, "--micro-batch-size", 16, "--eval-problems", 4]  # 32 samples, 2 mini-batches
@@ -462,26 +452,7 @@ def test_resume_after_sigkill_is_exact_with_vllm(tmp_path, tiny_path, capsys):
     every other logged figure, and the same final parameters and RNG states."""
     from safetensors.torch import load_file
     straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
-    straight_run, killed_run = start_grpo(straight), start_grpo(killed)
-    try:
-        second = os.path.join(killed, "checkpoints", "step_000002")
-        deadline = time.monotonic() + 600
-        while not os.path.exists(second) and killed_run.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert os.path.exists(second), killed_run.communicate()[0][-3000:]
-        os.killpg(killed_run.pid, signal.SIGKILL)  # no chance to save anything
-        killed_run.wait(60)
-        assert killed_run.returncode == -signal.SIGKILL
-        resumed_from = max(infra.checkpoint._checkpoint_steps(os.path.join(killed, "checkpoints")))
-        assert resumed_from in (2, 3)  # killed as step 2 began, or just after it ended
-        resumed = start_grpo(killed, "--resume", killed)
-        output = resumed.communicate(timeout=600)[0]
-        assert resumed.returncode == 0, output[-3000:]
-        assert straight_run.wait(600) == 0, straight_run.communicate()[0][-3000:]
-    finally:
-        for process in (straight_run, killed_run):
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
+    resumed_from = kill_then_resume(start_grpo, straight, killed, kill_at=2)
     a, b = records(straight), records(killed)
     assert sorted(a) == sorted(b) == list(range(4))
     table = []
