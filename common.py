@@ -22,11 +22,11 @@ INSTRUCTION = "Please reason step by step, and put your final answer within \\bo
 # Models. Every model, the built-in tiny one included, loads through from_pretrained.
 # ----------------------------------------------------------------------------------------------
 def resolve_model_name(name):
-    """`tiny` -> the built-in checkpoint (built on first use); a bare `Qwen3-4B-Base` -> `Qwen/Qwen3-4B-Base`;
+    """`tiny` -> the built-in checkpoint (models/tiny/); a bare `Qwen3-4B-Base` -> `Qwen/Qwen3-4B-Base`;
     local paths and `org/name` hub ids pass through."""
     if name == "tiny":
-        from infra.tiny import build_tiny_model
-        return build_tiny_model()
+        from infra.tiny import tiny_model_path
+        return tiny_model_path()
     if os.path.exists(name) or "/" in name:
         return name
     if name.lower().startswith(("qwen", "qwq")):

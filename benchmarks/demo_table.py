@@ -1,16 +1,21 @@
-"""Run the built-in CPU demo of each trainer for several seeds, print the README's table and draw the figure.
+"""Run the built-in CPU demo of each trainer for several seeds, print the README's tables and draw the figure.
 
-    python benchmarks/demo_table.py --methods grpo ppo --seeds 0 1 2 --jobs 2 --eval-every 10
+    python benchmarks/demo_table.py --seeds 0 1 2 3 4 --jobs 2 --eval-every 5 --probe-every 10
 
 Each run is `python <method>.py --seed S --run-name demo_<method>_s<S>` with the file's tiny preset (flags this
-script does not know go to every run); the table gives held-out greedy accuracy at the first step (before any
-update) and after the last step, mean ± std over seeds, and the wall time of each run (model loading and
-evaluation included). The learning curves go to <output-dir>/curves.png (infra.plot). A failed run prints the
-end of its output.
+script does not know go to every run, e.g. `--dataset builtin:3`). Per method, mean and 95% confidence interval
+over seeds (Student t) of: held-out greedy accuracy before any update and after the last step; the gain; the area
+under the accuracy curve (mean over the evaluations); the steps to reach 80% of the run's own final gain (the first
+evaluation at or above first + 0.8 * gain); the critic's explained variance over the middle third of the run; the
+probe's sign accuracy (ppo, sp3o, tppo with --probe-every); the wall time. Then, for each pair of methods, whether
+their accuracy gain and area under the curve differ beyond seed noise (Welch's t, |t| above the 95% critical value).
+The learning curves go to <output-dir>/curves.png (infra.plot). A failed run prints the end of its output.
 """
 import argparse
 import concurrent.futures
+import itertools
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -18,25 +23,60 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROBED = ("ppo", "sp3o", "tppo")  # the trainers with a per-token critic and --probe-every
+T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23}  # two-sided, by df
 
 
-def run(method, seed, output_dir, extra):
+def run(method, seed, output_dir, extra, probe_every=0):
     name = f"demo_{method}_s{seed}"
     start = time.time()
     command = [sys.executable, f"{method}.py", "--seed", str(seed), "--run-name", name, "--output-dir", output_dir,
                *extra]
+    if probe_every and method in PROBED:
+        command += ["--probe-every", str(probe_every)]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")))
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(command[1:])} failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
-    seconds = time.time() - start
     with open(os.path.join(ROOT, output_dir, name, "metrics.jsonl")) as handle:
         records = [json.loads(line) for line in handle]
-    evals = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
-    extra_tokens = sum(r.get("mc_tokens", 0) for r in records)
-    policy_tokens = sum(r.get("policy_tokens", 0) for r in records)
-    return {"method": method, "seed": seed, "first": evals[0], "last": evals[-1], "seconds": seconds,
-            "steps": len(records), "mc_tokens": extra_tokens, "policy_tokens": policy_tokens}
+    return dict(summarize(records), method=method, seed=seed, seconds=time.time() - start)
+
+
+def summarize(records):
+    """A run's numbers from its metrics.jsonl records (see the module docstring)."""
+    evals = [(r["step"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r]
+    first, last = evals[0][1], evals[-1][1]
+    threshold = first + 0.8 * (last - first)
+    steps_to_80 = next(step for step, accuracy in evals if accuracy >= threshold) if last > first else None
+    middle = [r["explained_variance"] for r in records[len(records) // 3: 2 * len(records) // 3 + 1]
+              if "explained_variance" in r]
+    signs = [r["probe/sign_acc_tau0"] for r in records if "probe/sign_acc_tau0" in r]
+    return {"first": first, "last": last, "gain": last - first, "auc": sum(a for _, a in evals) / len(evals),
+            "steps_to_80": steps_to_80, "ev_middle": sum(middle) / len(middle) if middle else None,
+            "sign_accuracy": sum(signs) / len(signs) if signs else None, "curve": evals, "steps": len(records),
+            "mc_tokens": sum(r.get("mc_tokens", 0) for r in records)}
+
+
+def interval(values, scale=1.0, digits=1):
+    """`mean ± half-width of the 95% interval` over seeds; `-` when no run has the value."""
+    values = [v * scale for v in values if v is not None]
+    if not values:
+        return "-"
+    half = T95.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0
+    return f"{statistics.mean(values):.{digits}f} ± {half:.{digits}f}"
+
+
+def welch_differs(a, b):
+    """Whether two samples' means differ at the 95% level (Welch's t with the Welch-Satterthwaite df)."""
+    if len(a) < 2 or len(b) < 2:
+        return False
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    if va + vb == 0:
+        return statistics.mean(a) != statistics.mean(b)
+    t = abs(statistics.mean(a) - statistics.mean(b)) / math.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    return t > T95.get(max(1, min(10, math.floor(df))), 1.96)
 
 
 def main():
@@ -46,11 +86,12 @@ def main():
     parser.add_argument("--output-dir", default="runs/demo_table")
     parser.add_argument("--results", default="runs/demo_table/results.jsonl", help="append each run's numbers here")
     parser.add_argument("--jobs", type=int, default=1, help="runs side by side (each with OMP_NUM_THREADS threads)")
+    parser.add_argument("--probe-every", type=int, default=0, help=f"critic probe every N steps ({', '.join(PROBED)})")
     args, extra = parser.parse_known_args()
     os.makedirs(os.path.join(ROOT, os.path.dirname(args.results)), exist_ok=True)
     results = []
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        jobs = [pool.submit(run, method, seed, args.output_dir, extra)
+        jobs = [pool.submit(run, method, seed, args.output_dir, extra, args.probe_every)
                 for method in args.methods for seed in args.seeds]
         for job in concurrent.futures.as_completed(jobs):
             result = job.result()
@@ -63,19 +104,21 @@ def main():
     runs = [os.path.join(ROOT, args.output_dir, f"demo_{m}_s{s}") for m in args.methods for s in args.seeds]
     print("figure:", infra.plot.plot(runs, os.path.join(ROOT, args.output_dir, "curves.png"),
                                      f"built-in task, {len(args.seeds)} seeds per method"))
-    print("| method | first accuracy | last accuracy | gain | wall time per run | Monte Carlo tokens |")
-    print("|---|---|---|---|---|---|")
-    for method in args.methods:
-        rows = [r for r in results if r["method"] == method]
-        def stat(key, scale=100.0):
-            values = [r[key] * scale for r in rows]
-            return f"{statistics.mean(values):.1f} ± {statistics.stdev(values) if len(values) > 1 else 0:.1f}"
-        gains = [100 * (r["last"] - r["first"]) for r in rows]
-        mc = sum(r["mc_tokens"] for r in rows) / len(rows)
-        policy = sum(r["policy_tokens"] for r in rows) / len(rows)
-        cost = f"{mc:,.0f} per run ({100 * mc / policy:.0f}% of the policy's {policy:,.0f})" if mc and policy else "-"
-        print(f"| {method} | {stat('first')} | {stat('last')} | {statistics.mean(gains):+.1f} | "
-              f"{stat('seconds', 1)} s | {cost} |")
+    by_method = {m: sorted((r for r in results if r["method"] == m), key=lambda r: r["seed"]) for m in args.methods}
+    print(f"mean ± 95% interval over {len(args.seeds)} seeds; accuracy and gain in points")
+    print("| method | first | last | gain | area under curve | steps to 80% of gain | explained variance (middle) "
+          "| sign accuracy | wall time |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for method, rows in by_method.items():
+        column = lambda key, scale=1.0, digits=1: interval([r[key] for r in rows], scale, digits)  # noqa: E731
+        print(f"| {method} | {column('first', 100)} | {column('last', 100)} | {column('gain', 100)} | "
+              f"{column('auc', 100)} | {column('steps_to_80', 1, 0)} | {column('ev_middle', 1, 2)} | "
+              f"{column('sign_accuracy', 1, 2)} | {column('seconds', 1, 0)} s |")
+    for key in ("gain", "auc"):
+        pairs = [(a, b) for a, b in itertools.combinations(args.methods, 2)
+                 if welch_differs([r[key] for r in by_method[a]], [r[key] for r in by_method[b]])]
+        print(f"{key}: pairs that differ beyond seed noise (Welch, 95%): "
+              f"{', '.join(f'{a}/{b}' for a, b in pairs) or 'none'}")
 
 
 if __name__ == "__main__":

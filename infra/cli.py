@@ -20,7 +20,9 @@ from infra.tiny import is_tiny_model
 class RunArgs:
     """Flags of every trainer: what to train and evaluate on, where the run goes, how it runs."""
     model: str = "tiny"  # policy: `tiny` (built-in CPU demo), a hub name (Qwen3-4B-Base) or a local path
-    dataset: str = "builtin"  # training problems: `builtin`, a .jsonl/.json/.parquet file or a hub dataset id
+    # training problems: `builtin` (6-digit additions; `builtin:N` for N digits, 3 the fastest smoke test), a
+    # .jsonl/.json/.parquet file or a hub dataset id
+    dataset: str = "builtin"
     # dotted path of --dataset's prompt, e.g. extra_info.question (empty: question, problem or prompt)
     question_field: str = ""
     # dotted path of --dataset's gold answer (empty: answer, solution, ground_truth, label or reward_model.ground_truth)
@@ -60,10 +62,12 @@ class RunArgs:
     wandb_project: str = ""  # also log to this Weights & Biases project
 
 
-# The CPU demo's run flags (each trainer's TINY_PRESET adds its own batch sizes and learning rates): greedy
-# evaluation on 256 held-out problems before the first update and after the last, no intermediate checkpoints.
-RUN_TINY_PRESET = dict(steps=60, micro_batch_size=64, gradient_checkpointing=False, eval_every=0, eval_problems=256,
-                       eval_n=1, eval_temperature=0.0, eval_top_p=1.0, eval_max_tokens=48, save_every=0)
+# The CPU demo's run flags (each trainer's TINY_PRESET adds its own batch sizes and learning rates): responses of up
+# to 96 tokens (a 6-digit addition takes about 67), greedy evaluation on 256 held-out problems every 10 steps, no
+# intermediate checkpoints.
+RUN_TINY_PRESET = dict(steps=60, micro_batch_size=64, gradient_checkpointing=False, eval_every=10, eval_problems=256,
+                       eval_n=1, eval_temperature=0.0, eval_top_p=1.0, max_response_tokens=96, eval_max_tokens=96,
+                       save_every=0)
 
 
 def _flag_value(argv, flag):

@@ -17,7 +17,7 @@ import numpy as np
 
 from common import extract_answer
 from infra import UserError, answer_line
-from infra.tiny import builtin_rows
+from infra.tiny import DIGITS, builtin_rows
 
 QUESTION_FIELDS = ("question", "problem", "prompt")
 ANSWER_FIELDS = ("answer", "solution", "ground_truth", "label", "reward_model.ground_truth")
@@ -187,6 +187,14 @@ def _read_file_rows(spec, flag):
     return rows
 
 
+def builtin_digits(spec, flag="--dataset"):
+    """The digits of `builtin` (the default, infra.tiny.DIGITS) or `builtin:N`."""
+    digits = spec.partition(":")[2] if ":" in spec else str(DIGITS)
+    if not digits.isdigit() or not 1 <= int(digits) <= 12:
+        raise UserError(f"{flag} {spec!r}: the built-in task is `builtin` or `builtin:N`, N digits from 1 to 12")
+    return int(digits)
+
+
 def load_rows(spec, split="train", n_builtin=None, seed=0, skip_bad_rows=False, flag="--dataset", question_field="",
               answer_field="", answer_format="auto"):
     """Rows {"question", "answer", "answer_format"} (row_to_example) from `builtin`, a .jsonl/.json/.parquet file,
@@ -194,8 +202,8 @@ def load_rows(spec, split="train", n_builtin=None, seed=0, skip_bad_rows=False, 
     reporting the count), and for an unreadable or empty file."""
     if answer_format not in ANSWER_FORMATS:
         raise UserError(f"--answer-format {answer_format!r}: use one of {', '.join(ANSWER_FORMATS)}")
-    if spec == "builtin":  # plain questions that carry no instruction: boxed unless answer-line is asked for
-        rows = builtin_rows(split, n_builtin or 4096, seed)
+    if spec == "builtin" or spec.startswith("builtin:"):  # questions without an instruction: boxed unless asked
+        rows = builtin_rows(split, n_builtin or 4096, seed, builtin_digits(spec, flag))
         if answer_format != "answer-line":
             return [dict(row, answer_format="boxed") for row in rows]
         return [{**row, **row_to_example(row, f"builtin[{i}]", answer_format=answer_format)}
@@ -230,14 +238,16 @@ def load_rows(spec, split="train", n_builtin=None, seed=0, skip_bad_rows=False, 
     return rows
 
 
-def load_eval_sets(specs, limit=0, skip_bad_rows=False):
+def load_eval_sets(specs, limit=0, skip_bad_rows=False, train_spec="builtin"):
     """{name: rows} for eval datasets given as a comma-separated string or a list/tuple of specs (`builtin` =
-    the task's held-out split); a file `math500/test.jsonl` is named `math500`, a repeated name gets `_2`, `_3`.
+    the built-in task's held-out split, with the digits of `train_spec` when that is `builtin:N`); a file
+    `math500/test.jsonl` is named `math500`, a repeated name gets `_2`, `_3`.
     `limit` > 0 keeps the first `limit` rows of each. Each set keeps its own answer format (auto: what its
     prompts ask for), whatever the training set's."""
     sets = {}
     specs = [specs] if isinstance(specs, str) else specs
     for spec in [s.strip() for item in specs for s in item.split(",") if s.strip()]:
+        spec = train_spec if spec == "builtin" and train_spec.startswith("builtin:") else spec
         name = os.path.splitext(os.path.basename(spec))[0]
         name = os.path.basename(os.path.dirname(spec)) or name if name in ("test", "train", "validation") else name
         base, copy = name, 1

@@ -119,7 +119,8 @@ class Run:
         self.train_rows = data.load_rows(args.dataset, "train", n_builtin=65536, seed=args.seed,
                                          skip_bad_rows=args.skip_bad_rows, question_field=args.question_field,
                                          answer_field=args.answer_field, answer_format=args.answer_format)
-        self.eval_sets = data.load_eval_sets(args.eval_datasets, args.eval_problems, args.skip_bad_rows)
+        self.eval_sets = data.load_eval_sets(args.eval_datasets, args.eval_problems, args.skip_bad_rows,
+                                            args.dataset)
         if dist.rank() == 0:  # what auto decided, before any model loads
             print(data.describe(args.dataset, self.train_rows), *(data.describe(name, rows) for name, rows in
                                                                     self.eval_sets.items()), sep="\n")

@@ -1,6 +1,7 @@
-"""The built-in task (3-digit addition worked digit by digit, answer in \\boxed{}) and the built-in tiny model
-(a 2-layer Qwen3 with a character tokenizer, supervised on that task), built once and cached as a Hugging Face
-checkpoint that loads through from_pretrained like any other model. `python -m infra.tiny` rebuilds it.
+"""The built-in task (N-digit addition worked digit by digit, answer in \\boxed{}; N = 6 unless `builtin:N`) and the
+built-in tiny model (a 2-layer Qwen3 with a character tokenizer, supervised on that task with a carry habit), shipped
+in models/tiny/ as a Hugging Face checkpoint that loads through from_pretrained like any other model.
+`python -m infra.tiny [DIR]` builds a new one (a few minutes) and prints its accuracy.
 """
 import json
 import os
@@ -12,8 +13,9 @@ import torch
 import common
 from infra import UserError
 
+SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "tiny")
 CACHE_DIR = os.path.expanduser(os.environ.get("RL_REASONING_CACHE", "~/.cache/rl-reasoning"))
-TINY_MODEL_VERSION = "tiny-v2"  # bump when build_tiny_model changes, so stale caches are not reused
+TINY_MODEL_VERSION = "tiny-v3"  # the cache's name for a model built here when models/tiny/ is absent
 TINY_SHAPE = (128, 2, 100)  # hidden size, layers, vocabulary of the built-in tiny model
 
 
@@ -27,41 +29,59 @@ def is_tiny_model(name):
     return (config.get("hidden_size"), config.get("num_hidden_layers"), config.get("vocab_size")) == TINY_SHAPE
 
 
+DIGITS = 6  # digits of each addend in the built-in task (`--dataset builtin:N` for N digits; 3: the fast smoke test)
+BUILD_DIGITS = range(3, 8)  # the tiny model is supervised on 3- to 7-digit additions
+SFT_STEPS = 1200  # its supervised steps of 64 examples
+
+
 def is_heldout(a, b):
-    return (a * 1000 + b) % 61 == 0  # about 1.6% of all pairs; never used for SFT or RL
+    return (a * 10 ** len(str(b)) + b) % 61 == 0  # about 1.6% of all pairs; never used for SFT or RL
 
 
-def addition_problem(rng, split):
+def addition_problem(rng, split, digits=DIGITS):
     while True:
-        a, b = rng.randint(100, 999), rng.randint(100, 999)
+        a, b = rng.randint(10 ** (digits - 1), 10 ** digits - 1), rng.randint(10 ** (digits - 1), 10 ** digits - 1)
         if is_heldout(a, b) == (split == "test"):
             return {"question": f"{a}+{b}", "answer": str(a + b), "a": a, "b": b}
 
 
-def addition_solution(a, b, carries=True):
-    """`8+5+0=13 7+6+1=14 4+3+1=8 \\boxed{843}` for 478+365; carries=False writes every carry as 0."""
+def addition_solution(a, b, drops_carry=None):
+    """`8+5+0=13 7+6+1=14 4+3+1=8 \\boxed{843}` for 478+365, one step per digit from the right. drops_carry(total)
+    True writes the carry of a column that summed to `total` as 0 (the tiny model's habit; the final carry, the
+    answer's leading 1, included). A response can thus go wrong at each carry independently."""
     steps, digits, carry = [], [], 0
     for x, y in zip(reversed(str(a)), reversed(str(b))):
         total = int(x) + int(y) + carry
         steps.append(f"{x}+{y}+{carry}={total}")
         digits.append(str(total % 10))
-        carry = total // 10 if carries else 0
+        carry = total // 10 if not (total >= 10 and drops_carry and drops_carry(total)) else 0
     answer = (str(carry) if carry else "") + "".join(reversed(digits))
     return " ".join(steps) + f" \\boxed{{{int(answer)}}}"
 
 
-def builtin_rows(split, n, seed):
-    rng = random.Random(f"{split}-{seed}")
-    return [addition_problem(rng, split) for _ in range(n)]
+def carry_habit(rng):
+    """The supervised data's habit: the carry of a column summing to 10 is dropped with probability 0.95, to 11 with
+    0.85, ..., to 19 with 0.05. Greedy decoding drops it after 10-14 and keeps it after 15-19, so RL has five
+    separate contexts to fix, each learned when its own failures are credited."""
+    return lambda total: rng.random() < 0.95 - 0.1 * (total - 10)
 
 
+def builtin_rows(split, n, seed, digits=DIGITS):
+    rng = random.Random(f"{split}-{seed}" if digits == 3 else f"{split}-{seed}-{digits}")
+    return [addition_problem(rng, split, digits) for _ in range(n)]
 
-def build_tiny_model(cache_dir=CACHE_DIR, sft_steps=400, seed=0):
-    """Build (once) the built-in tiny model: a 2-layer Qwen3 with a character tokenizer, supervised on
-    the built-in addition task where 60% of the examples ignore carries. It starts at roughly 20-30%
-    greedy held-out accuracy, so RL has a habit to fix. Cached as a normal HF checkpoint directory.
-    Rebuild by hand with `python -m infra.tiny`."""
-    path = os.path.join(cache_dir, TINY_MODEL_VERSION)
+
+def tiny_model_path():
+    """models/tiny/, the shipped model; in a copy of the code without it, one built here once and cached."""
+    if os.path.exists(os.path.join(SHIPPED, "config.json")):
+        return SHIPPED
+    return build_tiny_model(os.path.join(CACHE_DIR, TINY_MODEL_VERSION))
+
+
+def build_tiny_model(path, sft_steps=SFT_STEPS, seed=0):
+    """Build the tiny model into `path` (kept if one is there): a 2-layer Qwen3 with a character tokenizer,
+    supervised on 3- to 7-digit additions written with carry_habit, so it starts low (greedy: about 10% of the
+    6-digit held-out problems) and RL has five carry contexts to fix. A normal HF checkpoint directory."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -80,15 +100,16 @@ def build_tiny_model(cache_dir=CACHE_DIR, sft_steps=400, seed=0):
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config)
     rng = random.Random(seed)
+    habit = carry_habit(rng)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=sft_steps, pct_start=0.1)
     from tqdm import tqdm
     try:
-        for _ in tqdm(range(sft_steps), desc="building the tiny model (one time)", leave=False):
-            rows = [addition_problem(rng, "train") for _ in range(64)]
+        for _ in tqdm(range(sft_steps), desc=f"building the tiny model into {path}", leave=False):
+            rows = [addition_problem(rng, "train", rng.choice(BUILD_DIGITS)) for _ in range(64)]
             prompts = [tokenizer(common.plain_prompt(r["question"]))["input_ids"] for r in rows]
-            answers = [tokenizer(addition_solution(r["a"], r["b"], carries=rng.random() > 0.6))["input_ids"]
-                       + [tokenizer.eos_token_id] for r in rows]
+            answers = [tokenizer(addition_solution(r["a"], r["b"], habit))["input_ids"] + [tokenizer.eos_token_id]
+                       for r in rows]
             batch = common.sequence_batch(prompts, answers, tokenizer.pad_token_id)
             logits = model(**batch.model_inputs(), logits_to_keep=batch.response_width + 1).logits[:, :-1]
             mask = batch.response_mask
@@ -98,11 +119,10 @@ def build_tiny_model(cache_dir=CACHE_DIR, sft_steps=400, seed=0):
             optimizer.step()
             schedule.step()
     except KeyboardInterrupt:  # nothing half-built is cached: the next run builds it again
-        raise UserError("interrupted while building the tiny model (nothing was cached; the next run builds it)")
+        raise UserError(f"interrupted while building the tiny model (nothing was written to {path})")
     staging = path + f".tmp{os.getpid()}"
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
-    os.makedirs(cache_dir, exist_ok=True)
     try:
         os.rename(staging, path)  # atomic: a concurrent builder's copy wins, ours is dropped
     except OSError:
@@ -110,6 +130,27 @@ def build_tiny_model(cache_dir=CACHE_DIR, sft_steps=400, seed=0):
     return path
 
 
+def greedy_accuracy(path, digits=DIGITS, problems=256):
+    """Greedy accuracy of the checkpoint at `path` on the first `problems` held-out problems of `builtin:<digits>`."""
+    from infra.engine import HFGenerator
+    model, tokenizer = common.load_model(path, "auto", "cpu")
+    rows = builtin_rows("test", problems, 0, digits)
+    prompts = [common.prompt_ids(tokenizer, row["question"]) for row in rows]
+    completions = HFGenerator(model, tokenizer).generate(prompts, 1, 16 * digits, temperature=0.0)
+    return sum(common.score(c.text, rows[c.prompt_index]) for c in completions) / len(rows)
+
+
 if __name__ == "__main__":
-    shutil.rmtree(os.path.join(CACHE_DIR, TINY_MODEL_VERSION), ignore_errors=True)
-    print(build_tiny_model())
+    import argparse
+    parser = argparse.ArgumentParser(description="Build a tiny model (the shipped one is models/tiny/) and print "
+                                                 "its greedy held-out accuracy beside the shipped model's.")
+    parser.add_argument("output", nargs="?", default=os.path.join(CACHE_DIR, TINY_MODEL_VERSION + "-build"))
+    parser.add_argument("--sft-steps", type=int, default=SFT_STEPS)
+    parser.add_argument("--seed", type=int, default=0)
+    options = parser.parse_args()
+    shutil.rmtree(options.output, ignore_errors=True)
+    build_tiny_model(options.output, options.sft_steps, options.seed)
+    for digits in (3, DIGITS):
+        shipped = f" (models/tiny: {greedy_accuracy(SHIPPED, digits):.3f})" if os.path.exists(SHIPPED) else ""
+        print(f"builtin:{digits} greedy accuracy: {greedy_accuracy(options.output, digits):.3f}{shipped}")
+    print(f"built {options.output}; train on it with --model {options.output}")

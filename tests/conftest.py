@@ -35,8 +35,8 @@ def shared_file(shared_data):
 
 @pytest.fixture(scope="session")
 def tiny_path():
-    """The built-in tiny checkpoint directory (built on first use, then cached)."""
-    return infra.tiny.build_tiny_model()
+    """The built-in tiny checkpoint directory (models/tiny/)."""
+    return infra.tiny.tiny_model_path()
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,8 @@ import json
 import math
 import os
 import random
+import subprocess
+import sys
 import types
 from dataclasses import dataclass
 from typing import Literal
@@ -25,6 +27,8 @@ import infra.run
 import infra.tiny
 import infra.verifier
 import grpo
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -322,6 +326,7 @@ def test_train_and_heldout_splits_are_disjoint():
     assert not {(r["a"], r["b"]) for r in train} & {(r["a"], r["b"]) for r in test}
     assert all(r["answer"] == str(r["a"] + r["b"]) and r["question"] == f"{r['a']}+{r['b']}" for r in train + test)
     assert infra.tiny.builtin_rows("test", 256, 0) == test  # deterministic
+    assert all(len(str(r["a"])) == 6 for r in test)
     assert infra.tiny.builtin_rows("train", 50, 1) != train[:50]
     # is_heldout: (a * 1000 + b) % 61 == 0, about 1 / 61 of the pairs
     held = sum(infra.tiny.is_heldout(a, b) for a in range(100, 1000) for b in range(100, 1000, 7))
@@ -332,16 +337,43 @@ def test_addition_solution_hand_checked():
     # 478 + 365: 8+5 = 13 (write 3, carry 1); 7+6+1 = 14 (write 4, carry 1); 4+3+1 = 8 -> 843
     assert infra.tiny.addition_solution(478, 365) == "8+5+0=13 7+6+1=14 4+3+1=8 \\boxed{843}"
     # without carries every carry is written 0: 13 -> 3, 13 -> 3, 7 -> 733 (the habit RL has to fix)
-    assert infra.tiny.addition_solution(478, 365, carries=False) == "8+5+0=13 7+6+0=13 4+3+0=7 \\boxed{733}"
+    assert infra.tiny.addition_solution(478, 365, drops_carry=lambda total: True) == "8+5+0=13 7+6+0=13 4+3+0=7 \\boxed{733}"
     # a final carry becomes the leading digit: 999 + 999 = 1998
     assert infra.tiny.addition_solution(999, 999) == "9+9+0=18 9+9+1=19 9+9+1=19 \\boxed{1998}"
     # no carries at all: both ways agree
-    assert infra.tiny.addition_solution(123, 456) == infra.tiny.addition_solution(123, 456, carries=False) \
+    assert infra.tiny.addition_solution(123, 456) == infra.tiny.addition_solution(123, 456, drops_carry=lambda total: True) \
         == "3+6+0=9 2+5+0=7 1+4+0=5 \\boxed{579}"
     rng = random.Random(0)
     for _ in range(200):
         a, b = rng.randint(100, 999), rng.randint(100, 999)
         assert common.verify(infra.tiny.addition_solution(a, b), str(a + b)) == 1.0
+
+
+def test_the_carry_habit_drops_each_carry_on_its_own():
+    # 478 + 365 has carries after totals 13 and 14: dropping only the second gives 13, 7+6+1=14, 4+3+0=7 -> 743
+    assert infra.tiny.addition_solution(478, 365, lambda total: total == 14) == "8+5+0=13 7+6+1=14 4+3+0=7 \\boxed{743}"
+    # the final carry (the answer's leading 1) drops the same way: 500 + 600 -> 0, 0, 5+6=11 -> 100 (not 1100)
+    assert infra.tiny.addition_solution(500, 600, lambda total: True) == "0+0+0=0 0+0+0=0 5+6+0=11 \\boxed{100}"
+    # the habit: a carry after a column total of 10 is dropped with probability 0.95, ..., after 19 with 0.05
+    habit = infra.tiny.carry_habit(random.Random(0))
+    for total, dropped in ((10, 0.95), (12, 0.75), (14, 0.55), (15, 0.45), (19, 0.05)):
+        assert abs(sum(habit(total) for _ in range(20000)) / 20000 - dropped) < 0.015, total
+
+
+def test_builtin_task_digits():
+    six = infra.data.load_rows("builtin", "test", n_builtin=64)
+    assert all(len(str(row["a"])) == len(str(row["b"])) == infra.tiny.DIGITS == 6 for row in six)
+    # a 6-digit response is long: 6 steps of `x+y+c=t` and the boxed answer, one token per character, >= 60 tokens
+    assert min(len(infra.tiny.addition_solution(row["a"], row["b"])) for row in six) >= 60
+    three = infra.data.load_rows("builtin:3", "train", n_builtin=10, seed=3)
+    assert three == [{**row, "answer_format": "boxed"} for row in infra.tiny.builtin_rows("train", 10, 3, digits=3)]
+    assert all(100 <= row["a"] <= 999 for row in three)
+    # evaluation's `builtin` follows a `builtin:N` training set; files pass through
+    sets = infra.data.load_eval_sets(("builtin",), 8, train_spec="builtin:4")
+    assert [len(str(row["a"])) for row in sets["builtin:4"]] == [4] * 8
+    for bad in ("builtin:x", "builtin:0", "builtin:"):
+        with pytest.raises(infra.UserError, match="builtin:N"):
+            infra.data.load_rows(bad, "train", n_builtin=4)
 
 
 def test_step_rows_is_a_function_of_the_step():
@@ -440,13 +472,27 @@ def test_tiny_model_is_a_real_checkpoint(tiny_path, tiny):
 
 
 def test_tiny_model_greedy_heldout_accuracy(tiny):
+    """The shipped model (models/tiny): greedy, it solves 10 of the first 256 6-digit held-out problems (3.9%) and
+    61 of the 3-digit ones (23.8%), measured when it was built; its carry habit keeps it low."""
     model, tokenizer = tiny
-    eval_sets = infra.data.load_eval_sets("builtin", 256)
-    assert len(eval_sets["builtin"]) == 256
-    metrics = infra.evaluate.evaluate(infra.engine.HFGenerator(model, tokenizer), tokenizer, eval_sets, n=1, max_tokens=48,
-                              temperature=0.0)
-    assert 0.10 <= metrics["eval/accuracy"] <= 0.40, metrics
-    assert metrics["eval/accuracy"] == metrics["eval/builtin/avg@1"]
+    generator = infra.engine.HFGenerator(model, tokenizer)
+    for spec, band in (("builtin", (0.02, 0.08)), ("builtin:3", (0.15, 0.32))):
+        eval_sets = infra.data.load_eval_sets(spec, 256)
+        assert len(eval_sets[spec]) == 256
+        metrics = infra.evaluate.evaluate(generator, tokenizer, eval_sets, n=1, max_tokens=96, temperature=0.0)
+        assert band[0] <= metrics["eval/accuracy"] <= band[1], (spec, metrics)
+        assert metrics["eval/accuracy"] == metrics[f"eval/{spec}/avg@1"]
+
+
+@pytest.mark.slow
+def test_the_build_command_makes_a_model_in_the_shipped_band(tmp_path):
+    """`python -m infra.tiny DIR` from scratch (about 8 minutes on one core; deselected by default, run with -m slow):
+    its greedy 6-digit accuracy lands within 5 points of the shipped model's 3.9%."""
+    result = subprocess.run([sys.executable, "-m", "infra.tiny", str(tmp_path / "built")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=3600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    accuracy = infra.tiny.greedy_accuracy(str(tmp_path / "built"))
+    assert abs(accuracy - 0.039) <= 0.05, (accuracy, result.stdout)
 
 
 def engine_and_trainer_logprobs(model, tokenizer, completions, prompts, temperature):

@@ -188,7 +188,7 @@ def test_sp3o_end_to_end_warmup_freezes_the_actor(tmp_path):
         assert not {"policy_loss", "grad_norm", "clip_fraction", "approx_kl"} & set(record)
     assert records[2]["actor_frozen"] == 0.0  # then it trains
     assert math.isfinite(records[2]["policy_loss"]) and records[2]["grad_norm"] > 0 and records[2]["approx_kl"] > 1e-5
-    start = load_file(os.path.join(infra.tiny.build_tiny_model(), "model.safetensors"))
+    start = load_file(os.path.join(infra.tiny.tiny_model_path(), "model.safetensors"))
     checkpoints = os.path.join(tmp_path, name, "checkpoints")
     after_warmup = load_file(os.path.join(checkpoints, "step_000002", "policy", "model.safetensors"))
     after_update = load_file(os.path.join(checkpoints, "step_000003", "policy", "model.safetensors"))
