@@ -92,7 +92,7 @@ def main():
     results = []
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         jobs = [pool.submit(run, method, seed, args.output_dir, extra, args.probe_every)
-                for method in args.methods for seed in args.seeds]
+                for seed in args.seeds for method in args.methods]
         for job in concurrent.futures.as_completed(jobs):
             result = job.result()
             print(json.dumps(result), flush=True)
