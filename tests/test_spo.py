@@ -355,11 +355,11 @@ def run_two_steps(tmp_path, name, *flags):
 
 def test_chain_two_steps_end_to_end(tmp_path):
     for record in run_two_steps(tmp_path, "e2e_spo_chain", "--micro-batch-size", "16"):
-        # low-probability tokens are some of the policy's tokens (4 prompts x 8 samples, at most 48 tokens each)
-        assert 32 <= record["policy_tokens"] <= 32 * 48
+        # low-probability tokens are some of the policy's tokens (4 prompts x 8 samples, at most 96 tokens each)
+        assert 32 <= record["policy_tokens"] <= 32 * 96
         assert record["low_probability_tokens"] <= record["policy_tokens"] / 32
-        # Monte Carlo tokens: K = 4 continuations of at most 48 tokens per cutpoint, none without cutpoints
-        assert record["mc_tokens"] <= record["cutpoints_per_response"] * 32 * 4 * 48
+        # Monte Carlo tokens: K = 4 continuations of at most 96 tokens per cutpoint, none without cutpoints
+        assert record["mc_tokens"] <= record["cutpoints_per_response"] * 32 * 4 * 96
         assert (record["mc_tokens"] > 0) == (record["cutpoints_per_response"] > 0)
         # interval 5 (published, and the tiny preset's): one cut per 5 low-probability tokens, rounded up
         low = record["low_probability_tokens"]
