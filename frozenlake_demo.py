@@ -474,7 +474,10 @@ def main():
     lines += [f"| {r['size']}x{r['size']} | {show(r, 'p_success', 2)} | {show(r, 'mean_len', 0)} | "
               f"{show(r, 'tabular_all', 4)} | {show(r, 'tabular_anchors', 4)} |" for r in one_per_size]
     seeds = f"Mean ± std over {args.seeds} seeds (each its own map)" if args.seeds > 1 else "One seed (one map)"
-    lines.append(f"\n{seeds}; {args.steps} Adam steps per MLP critic, {args.sequence_steps} per sequence critic, "
+    budgets = {"mlp": f"{args.steps} Adam steps per MLP critic",
+               "sequence": f"{args.sequence_steps} Adam steps per sequence critic"}
+    budget = ", ".join(budgets[network] for network in dict.fromkeys(r["network"] for r in summary))  # those run
+    lines.append(f"\n{seeds}; {budget}, "
                  f"{args.reduction} losses, "
                  f"{args.batch_trajectories} of {args.train_trajectories} training trajectories per step, "
                  f"{args.eval_trajectories} held-out trajectories.")
