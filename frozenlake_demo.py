@@ -22,6 +22,13 @@ Per map size and seed (each seed draws its own map, data and critic initialisati
   per transition, delta_t = g(phi(s_{t-1}), phi(s_t)), the analogue of the token that moved the prefix
   (g(phi(s_t)) - g(phi(s_{t-1})) would collapse to a state critic); z_t = z_0 + sum_{k<=t} delta_k,
   V_t = sigmoid(z_t), BCE against R at every position. V_t depends on the path: its map is a mean over visits.
+- Two critic networks (--network): the MLP above reads the current cell only, so its dense-MSE optimum is
+  V^pi itself. An LLM critic reads the whole prefix instead, where each prefix is unique and neighbouring
+  prefixes look alike; its analogue here is `SequenceCritic`, one causal transformer block over the tokens
+  (cell s_t, previous action a_{t-1}) of the trajectory so far. Its output at t is the critic's output for the
+  prefix s_0..s_t: the value (dense, anchors) or the increment delta_t (tracking). Same data and losses, and the
+  first --sequence-steps of the same batches (a step costs ~10x the MLP's). E[R | prefix] is still V^pi(s_t)
+  (the chain is Markov), but no prefix repeats, so reaching it takes generalising across prefixes.
 - Metrics on held-out trajectories: MSE and Pearson correlation against V^pi over all visited positions;
   variation ratio = sum over trajectories of std_t(prediction) / the same sum for V^pi (1 faithful, 0 flat);
   sign accuracy of value changes between the start and the anchors (TPPO's diagnostic; intervals where
@@ -45,6 +52,7 @@ import infra.cli
 from sp3o import anchor_positions
 
 CRITICS = ("dense", "anchors", "tracking")
+NETWORKS = ("mlp", "sequence")
 REDUCTIONS = ("seq-mean", "token-mean")
 
 
@@ -61,7 +69,10 @@ class Args:
     epsilon: float = 0.1  # behaviour policy: probability of a uniform random action
     behaviour_discount: float = 0.99  # discount of the Q* the behaviour policy is greedy on
     rbf_width: float = 1.0  # width of the per-cell Gaussian features, in cells
-    hidden: int = 64  # width of the critics' two hidden layers
+    network: Literal["mlp", "sequence", "both"] = "both"  # critic network: MLP of the cell, transformer of the prefix
+    hidden: int = 64  # width of the MLP critics' two hidden layers
+    sequence_width: int = 32  # width of the sequence critics' transformer block (2 heads)
+    sequence_steps: int = 300  # Adam steps per sequence critic (the first of the same batches as the MLP's)
     lr: float = 1e-3  # Adam learning rate
     sign_min_change: float = 0.01  # smallest exact value change kept by the sign accuracy
     reduction: Literal["seq-mean", "token-mean"] = "seq-mean"  # loss reduction of all three critics (SP3O's: seq-mean)
@@ -130,20 +141,24 @@ def inverse_cdf(probs, rng):
     return (rng.random(len(probs))[:, None] >= cdf / cdf[:, -1:]).sum(1)
 
 
-def sample_trajectories(tables, policy, n, rng, start=0):
-    """n episodes run to the end, all at once. -> list of state arrays (s_0..s_{T-1}), outcomes R."""
+def sample_trajectories(tables, policy, n, rng, start=0, with_actions=False):
+    """n episodes run to the end, all at once. -> list of state arrays (s_0..s_{T-1}), outcomes R and, with
+    with_actions, the action arrays (a_t taken at s_t; recording them draws nothing more)."""
     nxt, prob, reward, done = tables
-    state, alive, outcome, visits = np.full(n, start), np.ones(n, dtype=bool), np.zeros(n), []
+    state, alive, outcome, visits, taken = np.full(n, start), np.ones(n, dtype=bool), np.zeros(n), [], []
     while alive.any():
         visits.append(np.where(alive, state, -1))
         idx = np.flatnonzero(alive)
         s = state[idx]
         a = inverse_cdf(policy[s], rng)  # action, then which of the slippery outcomes happens
         k = inverse_cdf(prob[s, a], rng)
+        taken.append(np.full(n, -1))
+        taken[-1][idx] = a
         outcome[idx] += reward[s, a, k]
         state[idx] = nxt[s, a, k]
         alive[idx] = ~done[s, a, k]
-    return [row[row >= 0] for row in np.array(visits).T], outcome
+    trajs = [row[row >= 0] for row in np.array(visits).T]
+    return (trajs, outcome, [row[row >= 0] for row in np.array(taken).T]) if with_actions else (trajs, outcome)
 
 
 def cell_features(size, width):
@@ -184,6 +199,76 @@ def critic_outputs(kind, net, features, states, prev_states):
         keys, make_input = states, lambda k: features[k]
     unique, inverse = torch.unique(keys, return_inverse=True)
     return net(make_input(unique)).squeeze(-1)[inverse]
+
+
+N_ACTIONS = 4  # FrozenLake: left, down, right, up
+START_ACTION = N_ACTIONS  # the "previous action" of a trajectory's first token
+
+
+def previous_actions(actions, idx):
+    """Flat a_{t-1} at every position of trajectories idx (in `flatten`'s order); START_ACTION at each start."""
+    return torch.from_numpy(np.concatenate([np.concatenate([[START_ACTION], actions[i][:-1]]) for i in idx]))
+
+
+def sinusoid_positions(length, width):
+    """Fixed sin/cos position codes [length, width] (Vaswani et al. 2017), so any trajectory length fits."""
+    angle = torch.arange(length)[:, None] / 10000 ** (torch.arange(0, width, 2) / width)
+    return torch.cat([torch.sin(angle), torch.cos(angle)], dim=1)
+
+
+class SequenceCritic(torch.nn.Module):
+    """The LLM critic's analogue: one causal transformer block over the trajectory so far. Token t = cell s_t
+    (a linear map of phi(s_t)) + previous action a_{t-1} (START at t = 0) + position t; the output at t attends
+    to tokens 0..t only, so each prefix is its own input, as each LLM prefix is."""
+
+    def __init__(self, n_cells, width, heads=2, group=8):
+        super().__init__()
+        self.cell, self.action = torch.nn.Linear(n_cells, width), torch.nn.Embedding(N_ACTIONS + 1, width)
+        self.norm1, self.norm2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+        self.qkv, self.proj = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.ReLU(),
+                                       torch.nn.Linear(2 * width, width))
+        self.head = torch.nn.Linear(width, 1)
+        self.heads, self.group = heads, group
+
+    def block(self, h):
+        """Pre-norm causal self-attention and MLP on padded trajectories [batch, time, width]."""
+        batch, time_, width = h.shape
+        q, k, v = self.qkv(self.norm1(h)).view(batch, time_, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + self.proj(attended.transpose(1, 2).reshape(batch, time_, width))
+        return h + self.mlp(self.norm2(h))
+
+    def forward(self, features, states, prev_actions, lengths):
+        """Flat positions of trajectories of `lengths` (`flatten`'s order) -> one raw output per position. Padding
+        sits after each trajectory's end, where the causal mask hides it; trajectories of similar length are
+        padded together (groups of `group`) so a long one does not pad the whole batch."""
+        tokens = list((self.cell(features)[states] + self.action(prev_actions)).split(lengths.tolist()))
+        order = np.argsort(lengths, kind="stable")
+        for members in np.array_split(order, max(1, len(order) // self.group)):
+            padded = torch.nn.utils.rnn.pad_sequence([tokens[i] for i in members], batch_first=True)
+            hidden = self.block(padded + sinusoid_positions(padded.shape[1], padded.shape[2]))
+            for row, i in enumerate(members):
+                tokens[i] = hidden[row, :lengths[i]]
+        return self.head(torch.cat(tokens)).squeeze(-1)
+
+
+def make_critic(network, kind, n_cells, args):
+    """mlp: a 2-hidden-layer tanh MLP of phi(s_t) (tracking: of phi(s_{t-1}), phi(s_t)); sequence: SequenceCritic."""
+    if network == "sequence":
+        return SequenceCritic(n_cells, args.sequence_width)
+    n_inputs = n_cells * (2 if kind == "tracking" else 1)
+    return torch.nn.Sequential(torch.nn.Linear(n_inputs, args.hidden), torch.nn.Tanh(),
+                               torch.nn.Linear(args.hidden, args.hidden), torch.nn.Tanh(),
+                               torch.nn.Linear(args.hidden, 1))
+
+
+def network_outputs(kind, net, features, states, prev_states, prev_actions, lengths):
+    """Raw outputs at each position of a flat batch. The sequence critic's output at t is a value (dense,
+    anchors) or, for tracking, the increment delta_t of the token that moved the prefix (z_0 at t = 0)."""
+    if isinstance(net, SequenceCritic):
+        return net(features, states, prev_actions, lengths)
+    return critic_outputs(kind, net, features, states, prev_states)
 
 
 def tracking_logits(increments, starts):
@@ -241,28 +326,28 @@ def critic_loss(kind, out, targets, starts, anchors, reduction="seq-mean"):
     return reduce_loss(losses, weights, starts, reduction)
 
 
-def predict(kind, net, features, trajs):
-    """Predicted values at every position of every trajectory, as a list of arrays."""
+def predict(kind, net, features, trajs, actions=None):
+    """Predicted values at every position of every trajectory, as a list of arrays (actions: the sequence critic's)."""
     states, prev, _, starts, lengths = flatten(trajs, np.zeros(len(trajs)), range(len(trajs)), len(features))
+    prev_actions = previous_actions(actions, range(len(trajs))) if actions is not None else None
     with torch.no_grad():
-        out = critic_outputs(kind, net, features, states, prev)
+        out = network_outputs(kind, net, features, states, prev, prev_actions, lengths)
         values = torch.sigmoid(tracking_logits(out, starts)) if kind == "tracking" else out
     return np.split(values.numpy(), lengths.cumsum()[:-1])
 
 
-def train_critic(kind, trajs, outcomes, features, args, seed):
+def train_critic(kind, trajs, outcomes, features, args, seed, network="mlp", actions=None):
+    """One critic (network: mlp or sequence, which also reads the actions) trained by critic_loss."""
     torch.manual_seed(seed)
-    n_inputs = features.shape[1] * (2 if kind == "tracking" else 1)
-    net = torch.nn.Sequential(torch.nn.Linear(n_inputs, args.hidden), torch.nn.Tanh(),
-                              torch.nn.Linear(args.hidden, args.hidden), torch.nn.Tanh(),
-                              torch.nn.Linear(args.hidden, 1))
+    net = make_critic(network, kind, features.shape[1], args)
     opt = torch.optim.Adam(net.parameters(), lr=args.lr)
     anchor_masks = [anchor_mask(len(t)) for t in trajs]
     batch_rng = np.random.default_rng(seed)  # the same batches for every critic
-    for _ in range(args.steps):
+    for _ in range(args.sequence_steps if network == "sequence" else args.steps):
         idx = batch_rng.choice(len(trajs), args.batch_trajectories, replace=False)
-        states, prev, targets, starts, _ = flatten(trajs, outcomes, idx, len(features))
-        out = critic_outputs(kind, net, features, states, prev)
+        states, prev, targets, starts, lengths = flatten(trajs, outcomes, idx, len(features))
+        prev_actions = previous_actions(actions, idx) if network == "sequence" else None
+        out = network_outputs(kind, net, features, states, prev, prev_actions, lengths)
         anchors = torch.from_numpy(np.concatenate([anchor_masks[i] for i in idx]))
         loss = critic_loss(kind, out, targets, starts, anchors, args.reduction)
         opt.zero_grad()
@@ -296,12 +381,13 @@ def tabular_target_mse(train, outcomes, test, exact_trajs, positions, n):
 
 
 def run_one(size, seed, args):
-    """One map: data, exact values, the three critics. -> metrics per critic, value maps, map info."""
+    """One map: data, exact values, the three critics per network. -> metrics per (network, critic), value maps
+    (the same keys and "exact"), map info."""
     map_seed = 1000 * seed + size
     desc, tables, policy, v_exact = make_task(size, map_seed, args)
     rng = np.random.default_rng(map_seed)
-    train, train_r = sample_trajectories(tables, policy, args.train_trajectories, rng)
-    test, _ = sample_trajectories(tables, policy, args.eval_trajectories, rng)
+    train, train_r, train_actions = sample_trajectories(tables, policy, args.train_trajectories, rng, with_actions=True)
+    test, _, test_actions = sample_trajectories(tables, policy, args.eval_trajectories, rng, with_actions=True)
     exact_trajs = [v_exact[t] for t in test]
     features = cell_features(size, args.rbf_width)
     flat_states, flat_exact = np.concatenate(test), np.concatenate(exact_trajs)
@@ -315,15 +401,16 @@ def run_one(size, seed, args):
             "tabular_all": tabular_target_mse(train, train_r, test, exact_trajs, np.arange, size**2),
             "tabular_anchors": tabular_target_mse(train, train_r, test, exact_trajs, anchor_positions, size**2)}
     maps, results = {"exact": cell_map(flat_exact)}, {}
-    for kind in CRITICS:
-        net = train_critic(kind, train, train_r, features, args, map_seed)
-        pred = predict(kind, net, features, test)
+    networks = NETWORKS if args.network == "both" else (args.network,)
+    for network, kind in [(network, kind) for network in networks for kind in CRITICS]:
+        net = train_critic(kind, train, train_r, features, args, map_seed, network, train_actions)
+        pred = predict(kind, net, features, test, test_actions)
         flat_pred = np.concatenate(pred)
         corr = np.corrcoef(flat_pred, flat_exact)[0, 1] if flat_pred.std() > 0 else 0.0
-        results[kind] = {"mse": np.mean((flat_pred - flat_exact) ** 2), "corr": corr,
-                         "variation_ratio": std_ratio(pred, exact_trajs),
-                         "sign_acc": interval_sign_accuracy(pred, exact_trajs, args.sign_min_change)}
-        maps[kind] = cell_map(flat_pred)
+        results[network, kind] = {"mse": np.mean((flat_pred - flat_exact) ** 2), "corr": corr,
+                                  "variation_ratio": std_ratio(pred, exact_trajs),
+                                  "sign_acc": interval_sign_accuracy(pred, exact_trajs, args.sign_min_change)}
+        maps[network, kind] = cell_map(flat_pred)
     return results, maps, info
 
 
@@ -331,9 +418,11 @@ def plot_maps(maps_by_size, desc_by_size, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    titles = ["exact $V^\\pi$", "dense MSE (PPO)", "anchors (SP3O)", "tracking (TPPO)"]
-    fig, axes = plt.subplots(len(maps_by_size), 4, figsize=(12, 2.9 * len(maps_by_size)), squeeze=False,
-                             layout="constrained")
+    labels = {"dense": "dense MSE (PPO)", "anchors": "anchors (SP3O)", "tracking": "tracking (TPPO)"}
+    critics = [key for key in next(iter(maps_by_size.values())) if key != "exact"]  # (network, critic) pairs
+    titles = ["exact $V^\\pi$"] + [f"{network} {labels[kind]}" for network, kind in critics]
+    fig, axes = plt.subplots(len(maps_by_size), len(titles), figsize=(3 * len(titles), 2.9 * len(maps_by_size)),
+                             squeeze=False, layout="constrained")
     cmap = matplotlib.colormaps["viridis"].copy()
     cmap.set_bad("white")
     for row, (size, maps) in zip(axes, maps_by_size.items()):
@@ -346,7 +435,7 @@ def plot_maps(maps_by_size, desc_by_size, path):
             ax.imshow(holes, cmap="gray", vmin=0, vmax=1)  # NaN is transparent: only holes are drawn
             ax.text(size - 1, size - 1, "G", ha="center", va="center", color="red", fontweight="bold")
             ax.text(start_column, start_row, "S", ha="center", va="center", color="red", fontweight="bold")
-            ax.set_title(f"{size}x{size}: {title}", fontsize=10)
+            ax.set_title(f"{size}x{size}: {title}", fontsize=9)
             ax.set_axis_off()
         fig.colorbar(image, ax=list(row), shrink=0.85, label="value (P(reach G) from the cell)")
     fig.suptitle("Seed 0: mean value per visited cell (S: start, G: goal, black: holes, white: never visited)")
@@ -358,32 +447,37 @@ def main():
     torch.set_num_threads(args.threads)
     os.makedirs(args.out_dir, exist_ok=True)
     start = time.time()
-    metrics, info, maps_seed0 = {}, {}, {}  # (size, critic) -> per-seed metrics; size -> per-seed info
-    for size, seed in tqdm([(z, s) for z in args.sizes for s in range(args.seeds)], desc="maps x 3 critics"):
+    metrics, info, maps_seed0 = {}, {}, {}  # (size, network, critic) -> per-seed metrics; size -> per-seed info
+    for size, seed in tqdm([(z, s) for z in args.sizes for s in range(args.seeds)], desc="maps x critics"):
         results, maps, map_info = run_one(size, seed, args)
-        for kind, values in results.items():
-            metrics.setdefault((size, kind), []).append(values)
+        for (network, kind), values in results.items():
+            metrics.setdefault((size, network, kind), []).append(values)
         info.setdefault(size, []).append(map_info)
         maps_seed0.setdefault(size, maps)
 
-    summary = []  # one row per (size, critic): mean and std over seeds of every number
-    for (size, kind), per_seed in metrics.items():
-        row = {"size": size, "critic": kind}
+    summary = []  # one row per (size, network, critic): mean and std over seeds of every number
+    for (size, network, kind), per_seed in metrics.items():
+        row = {"size": size, "network": network, "critic": kind}
         for name in (*per_seed[0], "p_success", "mean_len", "tabular_all", "tabular_anchors"):
             values = [m[name] for m in per_seed] if name in per_seed[0] else [i[name] for i in info[size]]
             row[name + "_mean"], row[name + "_std"] = np.nanmean(values), np.nanstd(values)
         summary.append(row)
     spread = lambda row, name, digits: f" ± {row[name + '_std']:.{digits}f}" if args.seeds > 1 else ""
     show = lambda row, name, digits=3: f"{row[name + '_mean']:.{digits}f}" + spread(row, name, digits)
-    lines = ["| size | critic | MSE vs exact | corr vs exact | variation ratio | sign acc |", "|---" * 6 + "|"]
-    lines += [f"| {r['size']}x{r['size']} | {r['critic']} | {show(r, 'mse', 4)} | {show(r, 'corr')} | "
-              f"{show(r, 'variation_ratio')} | {show(r, 'sign_acc')} |" for r in summary]
+    lines = ["| size | network | critic | MSE vs exact | corr vs exact | variation ratio | sign acc |",
+             "|---" * 7 + "|"]
+    lines += [f"| {r['size']}x{r['size']} | {r['network']} | {r['critic']} | {show(r, 'mse', 4)} | "
+              f"{show(r, 'corr')} | {show(r, 'variation_ratio')} | {show(r, 'sign_acc')} |" for r in summary]
     lines += ["", "| size | P(success) | mean T | tabular target MSE, all states | tabular target MSE, anchors |",
               "|---" * 5 + "|"]
+    one_per_size = {r["size"]: r for r in summary}.values()  # these columns describe the map: the same per size
     lines += [f"| {r['size']}x{r['size']} | {show(r, 'p_success', 2)} | {show(r, 'mean_len', 0)} | "
-              f"{show(r, 'tabular_all', 4)} | {show(r, 'tabular_anchors', 4)} |" for r in summary[::3]]
+              f"{show(r, 'tabular_all', 4)} | {show(r, 'tabular_anchors', 4)} |" for r in one_per_size]
     seeds = f"Mean ± std over {args.seeds} seeds (each its own map)" if args.seeds > 1 else "One seed (one map)"
-    lines.append(f"\n{seeds}; {args.steps} Adam steps per critic, "
+    budgets = {"mlp": f"{args.steps} Adam steps per MLP critic",
+               "sequence": f"{args.sequence_steps} Adam steps per sequence critic"}
+    budget = ", ".join(budgets[network] for network in dict.fromkeys(r["network"] for r in summary))  # those run
+    lines.append(f"\n{seeds}; {budget}, "
                  f"{args.reduction} losses, "
                  f"{args.batch_trajectories} of {args.train_trajectories} training trajectories per step, "
                  f"{args.eval_trajectories} held-out trajectories.")
