@@ -87,12 +87,19 @@ def main():
     parser.add_argument("--results", default="runs/demo_table/results.jsonl", help="append each run's numbers here")
     parser.add_argument("--jobs", type=int, default=1, help="runs side by side (each with OMP_NUM_THREADS threads)")
     parser.add_argument("--probe-every", type=int, default=0, help=f"critic probe every N steps ({', '.join(PROBED)})")
+    parser.add_argument("--from-results", action="store_true", help="no runs: the tables from --results (the last "
+                        "record of each method and seed) and the figure from the run folders")
     args, extra = parser.parse_known_args()
     os.makedirs(os.path.join(ROOT, os.path.dirname(args.results)), exist_ok=True)
     results = []
+    if args.from_results:
+        with open(os.path.join(ROOT, args.results)) as handle:
+            latest = {(r["method"], r["seed"]): r for r in map(json.loads, handle)}
+        results = [r for r in latest.values() if r["method"] in args.methods]
+        args.seeds = sorted({r["seed"] for r in results})
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         jobs = [pool.submit(run, method, seed, args.output_dir, extra, args.probe_every)
-                for seed in args.seeds for method in args.methods]
+                for seed in args.seeds for method in args.methods if not args.from_results]
         for job in concurrent.futures.as_completed(jobs):
             result = job.result()
             print(json.dumps(result), flush=True)
@@ -101,7 +108,7 @@ def main():
             results.append(result)
     sys.path.insert(0, ROOT)
     import infra.plot
-    runs = [os.path.join(ROOT, args.output_dir, f"demo_{m}_s{s}") for m in args.methods for s in args.seeds]
+    runs = [os.path.join(ROOT, args.output_dir, f"demo_{r['method']}_s{r['seed']}") for r in results]
     print("figure:", infra.plot.plot(runs, os.path.join(ROOT, args.output_dir, "curves.png"),
                                      f"built-in task, {len(args.seeds)} seeds per method"))
     by_method = {m: sorted((r for r in results if r["method"] == m), key=lambda r: r["seed"]) for m in args.methods}

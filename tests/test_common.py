@@ -486,7 +486,7 @@ def test_tiny_model_greedy_heldout_accuracy(tiny):
 
 @pytest.mark.slow
 def test_the_build_command_makes_a_model_in_the_shipped_band(tmp_path):
-    """`python -m infra.tiny DIR` from scratch (about 8 minutes on one core; deselected by default, run with -m slow):
+    """`python -m infra.tiny DIR` from scratch (20 minutes on a busy 2-core machine; deselected, run with -m slow):
     its greedy 6-digit accuracy lands within 5 points of the shipped model's 3.9%."""
     result = subprocess.run([sys.executable, "-m", "infra.tiny", str(tmp_path / "built")], cwd=ROOT,
                             capture_output=True, text=True, timeout=3600)
