@@ -36,6 +36,9 @@ class RunArgs:
     output_dir: str = "runs"  # parent directory of runs
     resume: str = ""  # continue from a checkpoint directory (runs/<run>/checkpoints/step_N) or a run directory
     generator: Literal["auto", "hf", "vllm"] = "auto"  # rollout engine (auto: vLLM when it imports and CUDA is there)
+    # old log-probs of the PPO ratio: the rollout engine's, or recomputed by the trainer (auto: the engine's where they
+    # are the trainer's own: Hugging Face generate on the policy itself, float32, top-p 1; vLLM: recomputed)
+    old_logprobs: Literal["auto", "engine", "recompute"] = "auto"
     device: str = ""  # torch device (default: cuda when available, else cpu)
     dtype: str = "auto"  # compute dtype (auto: bfloat16 on GPU, float32 on CPU); weights stay float32
     gpu_memory_utilization: float = 0.3  # share of GPU memory for the colocated vLLM engine (asleep in the update)

@@ -111,6 +111,18 @@ class _SampledLogprobs:
         return torch.stack(self.logprobs + [last], 1)
 
 
+def reuse_engine_logprobs(choice, generator, policy, top_p):
+    """--old-logprobs: True when the old log-probs of the PPO ratio are the rollout engine's (Completion.logprobs),
+    False when the trainer recomputes them. `auto` reuses them where they are the trainer's own numbers up to float
+    noise (tests/test_logprobs.py): Hugging Face generate on the policy object itself (not a sharded run's copy), in
+    float32, at top-p 1 (below 1 the engine records the truncated distribution). With vLLM they are recomputed:
+    truncated importance sampling needs both. slime's --use-rollout-logprobs is the same option."""
+    if choice != "auto":
+        return choice == "engine"
+    return generator.engine == "hf" and getattr(generator, "model", None) is policy and top_p == 1 \
+        and getattr(policy, "compute_dtype", torch.float32) == torch.float32
+
+
 def resolve_generator(kind, device):
     """`hf` or `vllm` for --generator beside a policy on `device`: `vllm` where it can run (refused in one line where
     not); `auto`: vLLM on a CUDA device where it runs, else Hugging Face generate (on CPU too: vLLM's CPU build runs

@@ -1,0 +1,159 @@
+"""Step time of grpo.py against TRL's GRPOTrainer on the same work, runs alternated, the ratio TRL / project.
+
+    pip install trl==1.16.0          # optional; in its own venv if it conflicts: --trl-python that venv's python
+    OMP_NUM_THREADS=1 python benchmarks/trl_compare.py                    # 3 pairs of runs, 12 rollouts each
+    OMP_NUM_THREADS=1 python benchmarks/trl_compare.py --trl-python /work/venv-trl/bin/python --pairs 5
+
+The same work on both sides: the built-in tiny model (float32, loaded by from_pretrained), 16 built-in prompts x 8
+samples per rollout, at most 48 response tokens, sampling at temperature 1 (top-p 1, top-k off), reward = the
+project's verifier (common.score; 0 for a response cut at the limit), group-normalized advantages, PPO-clip 0.2,
+token-mean loss, no reference model (beta 0), AdamW lr 1e-4 (constant), weight decay 0.01, grad clip 1.0, two
+optimizer steps of 64 samples per rollout, 64 samples per forward/backward, no gradient checkpointing, no
+dropout, one torch thread per process. What is not identical: the prompts each side draws (both from the built-in
+training set), TRL's logging (every 10 steps, its default; the project logs every step), and whatever each side
+computes beyond the loss (TRL: entropies and clip ratios; the project: clip fraction, approx KL, rollout metrics).
+
+Each run is its own process; a pair runs one of each, the order alternating between pairs. The step time of a run
+is the median over its rollouts after `--warmup` (one rollout and its two optimizer steps; TRL: the time between
+every second optimizer step's end; the project: between the ends of its steps). The ratio is computed per pair;
+printed: its median and its min-max over the pairs. The project's own rollout / update split comes from its
+logged rollout_s and update_s (the rest: old log-probs when recomputed, advantages, logging).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS, SAMPLES, MAX_TOKENS, LR, MINI_BATCHES = 16, 8, 48, 1e-4, 2
+
+
+def project_side(rollouts, seed, extra):
+    """Run grpo.py in this process; print one JSON line: per-rollout seconds and the logged phases."""
+    sys.path.insert(0, ROOT)
+    import torch
+    torch.set_num_threads(1)
+    import grpo
+    import infra.run
+    ends, phases, end_step = [], [], infra.run.Run.end_step
+
+    def timed_end_step(self, step, metrics):
+        ends.append(time.perf_counter())
+        phases.append((metrics["rollout_s"], metrics["update_s"]))
+        return end_step(self, step, metrics)
+
+    infra.run.Run.end_step = timed_end_step
+    with tempfile.TemporaryDirectory() as output_dir:
+        sys.argv = ["grpo.py", "--model", "tiny", "--steps", str(rollouts + 1), "--seed", str(seed),
+                    "--prompts-per-step", str(PROMPTS), "--samples-per-prompt", str(SAMPLES),
+                    "--max-response-tokens", str(MAX_TOKENS), "--lr", str(LR), "--mini-batches", str(MINI_BATCHES),
+                    "--micro-batch-size", "64", "--aggregation", "token-mean", "--kl-coef", "0",
+                    "--no-gradient-checkpointing", "--eval-problems", "8", "--save-every", "0",
+                    "--output-dir", output_dir, *extra]
+        grpo.main()
+    print(json.dumps(dict(seconds=[b - a for a, b in zip(ends, ends[1:])], rollout=[p[0] for p in phases[1:]],
+                          update=[p[1] for p in phases[1:]])))
+
+
+def trl_side(rollouts, seed):
+    """Run TRL's GRPOTrainer with the matching settings in this process; print one JSON line of per-rollout
+    seconds."""
+    sys.path.insert(0, ROOT)
+    import torch
+    torch.set_num_threads(1)
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    import common
+    from infra.tiny import build_tiny_model, builtin_rows
+    path = build_tiny_model()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    rows = builtin_rows("train", PROMPTS * (rollouts + 2), seed)
+    dataset = Dataset.from_list([{"prompt": common.plain_prompt(row["question"]), "answer": row["answer"]}
+                                 for row in rows])  # the tiny tokenizer has no chat template: grpo.py's prompt
+
+    def reward(completions, completion_ids, answer, **_):  # 0 for a response cut at the length limit, as grpo.py
+        return [common.score(text, {"answer": gold}) if tokenizer.eos_token_id in ids else 0.0
+                for text, ids, gold in zip(completions, completion_ids, answer)]
+
+    ends = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            ends.append(time.perf_counter())
+
+    with tempfile.TemporaryDirectory() as output_dir:
+        config = GRPOConfig(
+            output_dir=output_dir, use_cpu=True, bf16=False, seed=seed, report_to="none", save_strategy="no",
+            disable_tqdm=True, per_device_train_batch_size=PROMPTS * SAMPLES // MINI_BATCHES,
+            gradient_accumulation_steps=1, steps_per_generation=MINI_BATCHES, num_generations=SAMPLES,
+            num_iterations=1, max_completion_length=MAX_TOKENS, temperature=1.0, top_p=1.0, top_k=0,
+            learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.01, adam_beta1=0.9,
+            adam_beta2=0.999, max_grad_norm=1.0, beta=0.0, epsilon=0.2, epsilon_high=0.2, loss_type="dapo",
+            scale_rewards="group", gradient_checkpointing=False, max_steps=MINI_BATCHES * (rollouts + 1),
+            dataloader_num_workers=0)
+        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
+                              processing_class=tokenizer, callbacks=[Clock()])
+        trainer.train()
+    per_rollout = ends[MINI_BATCHES - 1::MINI_BATCHES]  # the end of each rollout's last optimizer step
+    print(json.dumps(dict(seconds=[b - a for a, b in zip(per_rollout, per_rollout[1:])])))
+
+
+def run_side(python, side, args):
+    command = [python, os.path.abspath(__file__), "--side", side, "--rollouts", str(args.rollouts),
+               "--seed", str(args.seed)] + (["--project-args", *args.project_args] if side == "project" else [])
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        sys.exit(f"{side} run failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    result = json.loads(lines[-1])
+    steady = result["seconds"][args.warmup:]
+    return statistics.median(steady), {key: statistics.median(values[args.warmup:]) for key, values in result.items()
+                                       if key != "seconds"}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=3, help="alternated pairs of runs (one project, one TRL)")
+    parser.add_argument("--rollouts", type=int, default=12, help="timed rollouts per run (each: 2 optimizer steps)")
+    parser.add_argument("--warmup", type=int, default=3, help="rollouts dropped from the start of each run")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trl-python", default=sys.executable, help="a python that imports trl (its own venv)")
+    parser.add_argument("--project-args", nargs="*", default=[], help="extra grpo.py flags, e.g. --old-logprobs "
+                        "recompute (give it last)")
+    parser.add_argument("--side", choices=["project", "trl"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.side == "project":
+        return project_side(args.rollouts, args.seed, args.project_args)
+    if args.side == "trl":
+        return trl_side(args.rollouts, args.seed)
+    check = subprocess.run([args.trl_python, "-c", "import trl; print(trl.__version__)"], capture_output=True,
+                           text=True)
+    if check.returncode:
+        sys.exit(f"{args.trl_python} cannot import trl: pip install trl==1.16.0 (or pass --trl-python)")
+    print(f"TRL {check.stdout.strip()} vs grpo.py {' '.join(args.project_args)}; {args.pairs} pairs x "
+          f"{args.rollouts} rollouts (first {args.warmup} dropped), 1 thread each; load average "
+          f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+    ratios = []
+    for pair in range(args.pairs):
+        order = ["project", "trl"] if pair % 2 == 0 else ["trl", "project"]
+        times = {side: run_side(sys.executable if side == "project" else args.trl_python, side, args)
+                 for side in order}
+        (project, phases), (trl, _) = times["project"], times["trl"]
+        ratios.append(trl / project)
+        print(f"pair {pair}: project {project:.3f} s/rollout (rollout {phases['rollout']:.3f}, update "
+              f"{phases['update']:.3f}, rest {project - phases['rollout'] - phases['update']:.3f}), TRL {trl:.3f} "
+              f"s/rollout, TRL/project {trl / project:.2f}", flush=True)
+    print(f"TRL/project: median {statistics.median(ratios):.2f}, min {min(ratios):.2f}, max {max(ratios):.2f} "
+          f"over {len(ratios)} pairs; load average after {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
