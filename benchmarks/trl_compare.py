@@ -22,6 +22,7 @@ logged rollout_s and update_s (the rest: old log-probs when recomputed, advantag
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -39,10 +40,11 @@ def project_side(rollouts, seed, extra):
     torch.set_num_threads(1)
     import grpo
     import infra.run
-    ends, phases, end_step = [], [], infra.run.Run.end_step
+    ends, cpu_ends, phases, end_step = [], [], [], infra.run.Run.end_step
 
     def timed_end_step(self, step, metrics):
         ends.append(time.perf_counter())
+        cpu_ends.append(time.process_time())
         phases.append((metrics["rollout_s"], metrics["update_s"]))
         return end_step(self, step, metrics)
 
@@ -51,15 +53,15 @@ def project_side(rollouts, seed, extra):
         sys.argv = ["grpo.py", "--model", "tiny", "--steps", str(rollouts + 1), "--seed", str(seed),
                     "--prompts-per-step", str(PROMPTS), "--samples-per-prompt", str(SAMPLES),
                     "--max-response-tokens", str(MAX_TOKENS), "--lr", str(LR), "--mini-batches", str(MINI_BATCHES),
-                    "--micro-batch-size", "64", "--aggregation", "token-mean", "--kl-coef", "0",
+                    "--aggregation", "token-mean", "--kl-coef", "0",
                     "--no-gradient-checkpointing", "--eval-problems", "8", "--save-every", "0",
                     "--output-dir", output_dir, *extra]
         grpo.main()
-    print(json.dumps(dict(seconds=[b - a for a, b in zip(ends, ends[1:])], rollout=[p[0] for p in phases[1:]],
-                          update=[p[1] for p in phases[1:]])))
+    print(json.dumps(dict(seconds=differences(ends), cpu_seconds=differences(cpu_ends),
+                          rollout=[p[0] for p in phases[1:]], update=[p[1] for p in phases[1:]])))
 
 
-def trl_side(rollouts, seed):
+def trl_side(rollouts, seed, micro_batch):
     """Run TRL's GRPOTrainer with the matching settings in this process; print one JSON line of per-rollout
     seconds."""
     sys.path.insert(0, ROOT)
@@ -82,17 +84,19 @@ def trl_side(rollouts, seed):
         return [common.score(text, {"answer": gold}) if tokenizer.eos_token_id in ids else 0.0
                 for text, ids, gold in zip(completions, completion_ids, answer)]
 
-    ends = []
+    ends, cpu_ends = [], []
 
     class Clock(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             ends.append(time.perf_counter())
+            cpu_ends.append(time.process_time())
 
+    accumulation = PROMPTS * SAMPLES // MINI_BATCHES // micro_batch  # micro-batches per optimizer step
     with tempfile.TemporaryDirectory() as output_dir:
         config = GRPOConfig(
             output_dir=output_dir, use_cpu=True, bf16=False, seed=seed, report_to="none", save_strategy="no",
-            disable_tqdm=True, per_device_train_batch_size=PROMPTS * SAMPLES // MINI_BATCHES,
-            gradient_accumulation_steps=1, steps_per_generation=MINI_BATCHES, num_generations=SAMPLES,
+            disable_tqdm=True, per_device_train_batch_size=micro_batch, gradient_accumulation_steps=accumulation,
+            steps_per_generation=MINI_BATCHES * accumulation, num_generations=SAMPLES,
             num_iterations=1, max_completion_length=MAX_TOKENS, temperature=1.0, top_p=1.0, top_k=0,
             learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.01, adam_beta1=0.9,
             adam_beta2=0.999, max_grad_norm=1.0, beta=0.0, epsilon=0.2, epsilon_high=0.2, loss_type="dapo",
@@ -101,22 +105,24 @@ def trl_side(rollouts, seed):
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
                               processing_class=tokenizer, callbacks=[Clock()])
         trainer.train()
-    per_rollout = ends[MINI_BATCHES - 1::MINI_BATCHES]  # the end of each rollout's last optimizer step
-    print(json.dumps(dict(seconds=[b - a for a, b in zip(per_rollout, per_rollout[1:])])))
+    last = slice(MINI_BATCHES - 1, None, MINI_BATCHES)  # the end of each rollout's last optimizer step
+    print(json.dumps(dict(seconds=differences(ends[last]), cpu_seconds=differences(cpu_ends[last]))))
+
+
+def differences(times):
+    return [b - a for a, b in zip(times, times[1:])]
 
 
 def run_side(python, side, args):
     command = [python, os.path.abspath(__file__), "--side", side, "--rollouts", str(args.rollouts),
-               "--seed", str(args.seed)] + (["--project-args", *args.project_args] if side == "project" else [])
+               "--seed", str(args.seed)] + ([f"--project-args={args.project_args}"] if side == "project" else
+                                            ["--trl-micro-batch", str(args.trl_micro_batch)])
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode or not lines:
         sys.exit(f"{side} run failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    result = json.loads(lines[-1])
-    steady = result["seconds"][args.warmup:]
-    return statistics.median(steady), {key: statistics.median(values[args.warmup:]) for key, values in result.items()
-                                       if key != "seconds"}
+    return {key: statistics.median(values[args.warmup:]) for key, values in json.loads(lines[-1]).items()}
 
 
 def main():
@@ -126,34 +132,40 @@ def main():
     parser.add_argument("--warmup", type=int, default=3, help="rollouts dropped from the start of each run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trl-python", default=sys.executable, help="a python that imports trl (its own venv)")
-    parser.add_argument("--project-args", nargs="*", default=[], help="extra grpo.py flags, e.g. --old-logprobs "
-                        "recompute (give it last)")
+    parser.add_argument("--project-args", default="", help="extra grpo.py flags in one string, e.g. "
+                        "--project-args='--old-logprobs recompute'")
+    parser.add_argument("--trl-micro-batch", type=int, default=64, help="TRL's per_device_train_batch_size (64: "
+                        "one forward per optimizer step, as in the comparison; 16: gradient accumulation over 4)")
     parser.add_argument("--side", choices=["project", "trl"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side == "project":
-        return project_side(args.rollouts, args.seed, args.project_args)
+        return project_side(args.rollouts, args.seed, shlex.split(args.project_args))
     if args.side == "trl":
-        return trl_side(args.rollouts, args.seed)
+        return trl_side(args.rollouts, args.seed, args.trl_micro_batch)
     check = subprocess.run([args.trl_python, "-c", "import trl; print(trl.__version__)"], capture_output=True,
                            text=True)
     if check.returncode:
         sys.exit(f"{args.trl_python} cannot import trl: pip install trl==1.16.0 (or pass --trl-python)")
-    print(f"TRL {check.stdout.strip()} vs grpo.py {' '.join(args.project_args)}; {args.pairs} pairs x "
+    print(f"TRL {check.stdout.strip()} (micro-batch {args.trl_micro_batch}) vs grpo.py {args.project_args}; "
+          f"{args.pairs} pairs x "
           f"{args.rollouts} rollouts (first {args.warmup} dropped), 1 thread each; load average "
           f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
-    ratios = []
+    ratios = {"wall": [], "cpu": []}
     for pair in range(args.pairs):
         order = ["project", "trl"] if pair % 2 == 0 else ["trl", "project"]
         times = {side: run_side(sys.executable if side == "project" else args.trl_python, side, args)
                  for side in order}
-        (project, phases), (trl, _) = times["project"], times["trl"]
-        ratios.append(trl / project)
-        print(f"pair {pair}: project {project:.3f} s/rollout (rollout {phases['rollout']:.3f}, update "
-              f"{phases['update']:.3f}, rest {project - phases['rollout'] - phases['update']:.3f}), TRL {trl:.3f} "
-              f"s/rollout, TRL/project {trl / project:.2f}", flush=True)
-    print(f"TRL/project: median {statistics.median(ratios):.2f}, min {min(ratios):.2f}, max {max(ratios):.2f} "
-          f"over {len(ratios)} pairs; load average after {os.getloadavg()[0]:.2f}")
-
+        project, trl = times["project"], times["trl"]
+        ratios["wall"].append(trl["seconds"] / project["seconds"])
+        ratios["cpu"].append(trl["cpu_seconds"] / project["cpu_seconds"])
+        print(f"pair {pair}: s/rollout wall (cpu): project {project['seconds']:.3f} ({project['cpu_seconds']:.3f}; "
+              f"wall rollout {project['rollout']:.3f}, update {project['update']:.3f}, rest "
+              f"{project['seconds'] - project['rollout'] - project['update']:.3f}), TRL {trl['seconds']:.3f} "
+              f"({trl['cpu_seconds']:.3f}); TRL/project {ratios['wall'][-1]:.2f} ({ratios['cpu'][-1]:.2f})", flush=True)
+    for clock, values in ratios.items():
+        print(f"TRL/project, {clock} time per rollout: median {statistics.median(values):.2f}, min {min(values):.2f}, "
+              f"max {max(values):.2f} over {len(values)} pairs")
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 if __name__ == "__main__":
     main()
