@@ -88,12 +88,18 @@ class HFGenerator:
         stops = torch.tensor(self.stop_ids, device=device)
         cache, active = DynamicCache(config=self.model.config), torch.arange(rows, device=device)  # rows still going
         positions = (attention_mask.cumsum(1) - 1).clamp(min=0)
-        step_ids = input_ids
+        # The prompt is read once for its n samples (rows repeat it): the cache rows are then copied to each sample.
+        prompts, copies = torch.cat([input_ids, attention_mask], 1).unique(dim=0, return_inverse=True)
+        step_ids, step_mask, step_positions = prompts[:, :input_ids.shape[1]], prompts[:, input_ids.shape[1]:], \
+            (prompts[:, input_ids.shape[1]:].cumsum(1) - 1).clamp(min=0)
         renamed = "cache" in inspect.signature(self.model.forward).parameters  # transformers >= 5.2x: past_key_values
         for step in range(max_tokens):
-            logits = self.model(input_ids=step_ids, attention_mask=attention_mask, position_ids=positions,
+            logits = self.model(input_ids=step_ids, attention_mask=step_mask, position_ids=step_positions,
                                 **{"cache" if renamed else "past_key_values": cache}, use_cache=True,
                                 logits_to_keep=1).logits[:, -1].float()
+            if step == 0:
+                logits = logits[copies]
+                cache.batch_select_indices(copies)
             for warper in warpers:
                 logits = warper(None, logits)
             token = torch.multinomial(logits.softmax(-1), 1)[:, 0] if temperature > 0 else logits.argmax(-1)
@@ -109,6 +115,7 @@ class HFGenerator:
                 cache.batch_select_indices(keep)
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(active), 1)], 1)
             positions, step_ids = positions[:, -1:] + 1, token[:, None]
+            step_mask, step_positions = attention_mask, positions
         return tokens[:, :step + 1], logprobs[:, :step + 1]
 
 
