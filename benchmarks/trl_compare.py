@@ -1,21 +1,25 @@
 """Step time of grpo.py against TRL's GRPOTrainer on the same work, runs alternated, the ratio TRL / project.
 
     pip install trl==1.16.0          # optional; in its own venv if it conflicts: --trl-python that venv's python
-    OMP_NUM_THREADS=1 python benchmarks/trl_compare.py                    # 3 pairs of runs, 12 rollouts each
+    OMP_NUM_THREADS=1 python benchmarks/trl_compare.py --pairs 5          # 5 pairs of runs, 12 rollouts each
     OMP_NUM_THREADS=1 python benchmarks/trl_compare.py --trl-python /work/venv-trl/bin/python --pairs 5
 
 The same work on both sides: the built-in tiny model (float32, loaded by from_pretrained), 16 built-in prompts x 8
 samples per rollout, at most 48 response tokens, sampling at temperature 1 (top-p 1, top-k off), reward = the
 project's verifier (common.score; 0 for a response cut at the limit), group-normalized advantages, PPO-clip 0.2,
 token-mean loss, no reference model (beta 0), AdamW lr 1e-4 (constant), weight decay 0.01, grad clip 1.0, two
-optimizer steps of 64 samples per rollout, 64 samples per forward/backward, no gradient checkpointing, no
-dropout, one torch thread per process. What is not identical: the prompts each side draws (both from the built-in
-training set), TRL's logging (every 10 steps, its default; the project logs every step), and whatever each side
-computes beyond the loss (TRL: entropies and clip ratios; the project: clip fraction, approx KL, rollout metrics).
+optimizer steps of 64 samples per rollout, no gradient checkpointing, no dropout, one torch thread per process.
+What is not identical: the prompts each side draws (both from the built-in training set); the micro-batches (the
+project: its CPU preset's 16 sequences per forward/backward, gradients accumulated to 64; TRL: 64 per forward, its
+per_device_train_batch_size, or --trl-micro-batch); the old log-probs (the project reuses its engine's, equal up to
+float noise; TRL recomputes them); TRL's logging (every 10 steps, its default; the project logs every step); and
+what each computes beyond the loss (TRL: entropies, clip ratios; the project: clip fraction, approx KL, rollout
+metrics).
 
 Each run is its own process; a pair runs one of each, the order alternating between pairs. The step time of a run
 is the median over its rollouts after `--warmup` (one rollout and its two optimizer steps; TRL: the time between
-every second optimizer step's end; the project: between the ends of its steps). The ratio is computed per pair;
+every second optimizer step's end; the project: between the ends of its steps), in wall-clock time and in the
+process's CPU time (less sensitive to other processes on a shared machine). The ratio is computed per pair;
 printed: its median and its min-max over the pairs. The project's own rollout / update split comes from its
 logged rollout_s and update_s (the rest: old log-probs when recomputed, advantages, logging).
 """
