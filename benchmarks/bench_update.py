@@ -38,7 +38,8 @@ def build_model(name, device, dtype, layers=0):
     from transformers import Qwen3Config, Qwen3ForCausalLM
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen3ForCausalLM(Qwen3Config(**{**QWEN3_0_6B_SHAPE, **({"num_hidden_layers": layers} if layers else {})}))
+        shape = {**QWEN3_0_6B_SHAPE, **({"num_hidden_layers": layers} if layers else {})}
+        model = Qwen3ForCausalLM(Qwen3Config(**shape))
     model.compute_dtype = getattr(torch, dtype)  # as common.load_model: float32 weights, forward in `dtype` (autocast)
     return model
 
