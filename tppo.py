@@ -21,6 +21,7 @@ import torch
 import common
 import infra.cli
 import infra.dist
+import infra.engine
 import infra.evaluate
 import infra.probes
 import infra.run
@@ -199,6 +200,7 @@ def main():
     if args.eval_only:  # evaluate and exit, through the same code as the evaluations during training
         return run.evaluate_only()
     truncated_is = args.truncated_is == "on" or (args.truncated_is == "auto" and generator.engine == "vllm")
+    engine_old_logprobs = infra.engine.reuse_engine_logprobs(args.old_logprobs, generator, policy, args.top_p)
     for step, metrics in run.steps():  # metrics starts with the held-out evaluation when one is due
         history = defaultdict(list)
         if args.probe_every and step % args.probe_every == 0:  # critic vs Monte Carlo values (SP3O, TPPO diagnostics)
@@ -218,9 +220,13 @@ def main():
                                       [c.token_ids for c in completions], tokenizer.pad_token_id).to(run.device)
         mask = batch.response_mask
         rollout_seconds = time.time() - step_start
-        # 3. Old (and reference) log-probs recomputed by the trainer; advantages.
-        old_logprobs = common.batched(lambda micro: common.response_logprobs(policy, micro, args.temperature),
-                                      batch, args.micro_batch_size, args.micro_batch_tokens)
+        # 3. Old log-probs: the engine's where they are the trainer's own (--old-logprobs), else recomputed; the
+        # reference's; advantages.
+        if engine_old_logprobs:  # the same model and numbers up to float noise: no second forward pass
+            old_logprobs = common.engine_logprobs(completions, mask.shape[1]).to(run.device)
+        else:
+            old_logprobs = common.batched(lambda micro: common.response_logprobs(policy, micro, args.temperature),
+                                          batch, args.micro_batch_size, args.micro_batch_tokens)
         if reference is not None:
             reference_logprobs = common.batched(
                 lambda micro: common.response_logprobs(reference, micro, args.temperature),

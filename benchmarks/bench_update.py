@@ -24,20 +24,22 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import common  # noqa: E402
+from infra.memory import keep_freed_host_memory  # noqa: E402
 
 QWEN3_0_6B_SHAPE = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                         head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True,
                         max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6)
 
 
-def build_model(name, device, dtype):
+def build_model(name, device, dtype, layers=0):
     if name == "tiny":
         model, _ = common.load_model("tiny", dtype, device)
         return model
     from transformers import Qwen3Config, Qwen3ForCausalLM
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen3ForCausalLM(Qwen3Config(**QWEN3_0_6B_SHAPE))
+        shape = {**QWEN3_0_6B_SHAPE, **({"num_hidden_layers": layers} if layers else {})}
+        model = Qwen3ForCausalLM(Qwen3Config(**shape))
     model.compute_dtype = getattr(torch, dtype)  # as common.load_model: float32 weights, forward in `dtype` (autocast)
     return model
 
@@ -88,6 +90,30 @@ def generate_tokens_per_second(model, args, vocab):
     return args.generate_batch * args.generate_tokens / seconds
 
 
+def update_flops(config, batch):
+    """FLOPs of one update step (forward + backward = 3 x forward): 2 per weight per token in the forward pass for
+    the decoder layers' matrices (every token) and the lm_head (the response columns + 1 only, as response_logprobs
+    keeps them), plus attention's two [context x head_dim] products per head and token (causal: half the context on
+    average)."""
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    query, key_value = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    per_layer = hidden * (2 * query + 2 * key_value) + 3 * hidden * config.intermediate_size
+    rows, width = batch.input_ids.shape
+    tokens, logit_columns = rows * width, rows * (batch.response_width + 1)
+    forward = 2 * layers * per_layer * tokens + 2 * hidden * config.vocab_size * logit_columns \
+        + layers * 2 * 2 * query * (width / 2) * tokens
+    return 3 * forward
+
+
+def matmul_flops_per_second(dtype, device, size=(2048, 1024, 3072), min_seconds=2.0):
+    """Measured FLOP/s of a [m, k] x [k, n] matmul in `dtype` (the decoder's MLP shape), this process's threads."""
+    a = torch.randn(size[0], size[1], device=device, dtype=dtype)
+    b = torch.randn(size[1], size[2], device=device, dtype=dtype)
+    seconds, _ = timed(lambda: a @ b, device, 2, min_seconds, max_iterations=1000)
+    return 2 * size[0] * size[1] * size[2] / seconds
+
+
 def peak_memory_gib(device):
     if device.startswith("cuda"):
         return torch.cuda.max_memory_allocated() / 2 ** 30
@@ -119,6 +145,8 @@ def main():
     parser.add_argument("--min-seconds", type=float, default=10.0, help="time update steps for at least this long")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="recompute layer activations in backward")
     parser.add_argument("--peak-flops", type=float, default=989e12, help="peak FLOP/s for MFU (H100/H200 bf16 dense)")
+    parser.add_argument("--layers", type=int, default=0, help="decoder layers of the Qwen3-0.6B-shaped model "
+                        "(default: its 28; fewer run quicker, the FLOPs per token are counted for the layers built)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (on a shared CPU, 2 threads ran 2-30x slower than 1: OpenMP waits)")
     args = parser.parse_args()
@@ -131,6 +159,8 @@ def main():
         if not getattr(args, name):
             setattr(args, name, value)
     torch.set_num_threads(args.threads)
+    if not on_gpu:  # as the trainers on CPU: freed memory is reused, not page-faulted in again each step
+        keep_freed_host_memory()
     machine = (f"{torch.cuda.get_device_name()}, " if on_gpu else "") + \
         f"{platform.processor() or platform.machine()} with {os.cpu_count()} cores, {args.threads} torch threads"
     print(f"machine: {machine}; torch {torch.__version__}; load average before: {os.getloadavg()[0]:.2f}")
@@ -140,7 +170,7 @@ def main():
     rows = []
     for name in args.models:
         reset_peak_memory(args.device)
-        model = build_model(name, args.device, args.dtype)
+        model = build_model(name, args.device, args.dtype, args.layers)
         model.train()
         if args.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -152,15 +182,23 @@ def main():
                                args.min_seconds)
         memory = peak_memory_gib(args.device)
         mfu = 6 * parameters * tokens / seconds / args.peak_flops if on_gpu else None
+        flops = update_flops(model.config, batch)
         generate = generate_tokens_per_second(model, args, vocab)
-        rows.append((name, parameters, tokens, steps, seconds, tokens / seconds, mfu, generate, memory))
+        rows.append((name, parameters, tokens, steps, seconds, tokens / seconds, mfu, generate, memory, flops))
         del model
     print("| model | parameters | tokens / step | timed steps | s / step | update tokens/s | MFU | "
           "generate tokens/s | peak memory (GiB) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for name, parameters, tokens, steps, seconds, rate, mfu, generate, memory in rows:
+    for name, parameters, tokens, steps, seconds, rate, mfu, generate, memory, _ in rows:
         print(f"| {name} | {parameters / 1e6:.1f}M | {tokens} | {steps} | {seconds:.2f} | {rate:,.0f} | "
               f"{'-' if mfu is None else f'{100 * mfu:.1f}%'} | {generate:,.1f} | {memory:.2f} |")
+    if not on_gpu:  # the arithmetic limit: FLOPs per update step over the measured matmul FLOP/s
+        for dtype in dict.fromkeys([torch.float32, getattr(torch, args.dtype)]):
+            rate = matmul_flops_per_second(dtype, args.device)
+            print(f"\n{str(dtype)[6:]} matmul [2048 x 1024] x [1024 x 3072]: {rate / 1e9:.1f} GFLOP/s")
+            for name, _, tokens, _, seconds, _, _, _, _, flops in rows:
+                print(f"  {name}: {flops / tokens / 1e9:.3f} GFLOP per token; update at {flops / seconds / 1e9:.1f} "
+                      f"GFLOP/s = {flops / seconds / rate:.0%} of it (limit {tokens * rate / flops:,.1f} tokens/s)")
     measure = "torch.cuda.max_memory_allocated" if on_gpu else \
         "the process's peak resident set (VmHWM), reset per model"
     print(f"\nload average after: {os.getloadavg()[0]:.2f}; peak memory: {measure}")

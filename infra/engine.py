@@ -1,7 +1,9 @@
 """Rollout engines: generate(prompts, n, max_tokens, temperature, top_p) -> list of common.Completion, each with
-the sampled tokens and their log-probs under the processed (temperature / top-p) distribution. HFGenerator runs
-Hugging Face `generate` on the trainer's own model; the vLLM engine lives in infra/vllm_engine.py.
+the sampled tokens and their log-probs under the processed (temperature / top-p) distribution. HFGenerator samples
+with the trainer's own model (generate's sampling, in a leaner loop); the vLLM engine lives in infra/vllm_engine.py.
 """
+import inspect
+
 import torch
 
 from common import Completion
@@ -9,7 +11,8 @@ from infra import UserError, dist
 
 
 class HFGenerator:
-    """Hugging Face `generate` backend (CPU or GPU). One process: it reads the live policy weights, nothing to sync.
+    """Hugging Face backend (CPU or GPU): sampling with a KV cache (`sample`). One process: it reads the live policy
+    weights, nothing to sync.
     Under torchrun (or --offload-optimizer) the policy is sharded, so each rank generates with its own whole copy,
     refreshed by sync_weights."""
     engine = "hf"
@@ -44,16 +47,7 @@ class HFGenerator:
 
     @torch.no_grad()
     def generate(self, prompts, n=1, max_tokens=256, temperature=1.0, top_p=1.0):
-        from transformers import GenerationConfig, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
         stops, pad = self.stop_ids, self.tokenizer.pad_token_id
-        # Our own warpers, then the recorder, so it sees the processed distribution (HF would add its warpers last).
-        warpers = [TemperatureLogitsWarper(temperature)] if temperature > 0 and temperature != 1 else []
-        warpers += [TopPLogitsWarper(top_p)] if temperature > 0 and top_p < 1 else []
-        # generate() fills every field left None from the model's own generation_config (repetition penalty, n-gram
-        # bans, top-k, min length...): start from transformers' neutral defaults, then set ours.
-        config = GenerationConfig(**{**GenerationConfig._get_default_generation_params(), "top_k": 0,
-                                     "max_length": None, "max_new_tokens": max_tokens, "do_sample": temperature > 0,
-                                     "eos_token_id": stops, "pad_token_id": pad, "return_dict_in_generate": True})
         requests = [(i, p) for i, p in enumerate(prompts) for _ in range(n)]
         completions, was_training = [], self.model.training
         self.model.eval()
@@ -62,18 +56,12 @@ class HFGenerator:
             width = max(len(p) for _, p in chunk)
             input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for _, p in chunk])
             attention_mask = (torch.arange(width) >= torch.tensor([width - len(p) for _, p in chunk])[:, None]).long()
-            device, recorder = self.model.device, _SampledLogprobs()
+            device = self.model.device
             dtype = getattr(self.model, "compute_dtype", torch.float32)
-            own_config, self.model.generation_config = self.model.generation_config, GenerationConfig()  # none to fill
-            try:
-                with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-                    out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                              generation_config=config,
-                                              logits_processor=LogitsProcessorList(warpers + [recorder]))
-            finally:
-                self.model.generation_config = own_config
-            sampled = out.sequences[:, width:]
-            logprobs, sampled = recorder.finish(sampled).cpu(), sampled.cpu()
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                sampled, logprobs = self.sample(input_ids.to(device), attention_mask.to(device), max_tokens,
+                                                temperature, top_p)
+            logprobs, sampled = logprobs.cpu(), sampled.cpu()
             for row, (index, _) in enumerate(chunk):
                 tokens = sampled[row].tolist()
                 stop = next((t + 1 for t, token in enumerate(tokens) if token in stops), None)  # the first stop id
@@ -82,6 +70,53 @@ class HFGenerator:
                                               "length" if stop is None else "stop"))
         self.model.train(was_training)
         return completions
+
+    def sample(self, input_ids, attention_mask, max_tokens, temperature=1.0, top_p=1.0):
+        """Sample up to max_tokens tokens after each left-padded prompt, one step at a time with a KV cache, the way
+        Hugging Face generate samples (its temperature and top-p warpers, softmax, multinomial; greedy at temperature
+        0), none of the model's own generation_config (repetition penalty, top-k...) applied. Unlike generate, a row
+        leaves the batch once it samples a stop id (its steps would be wasted work), and each sampled token's log-prob
+        under the processed (temperature / top-p) distribution is kept, in float32 (the trainer's
+        common.response_logprobs computes the same from the full forward pass). Returns [B, T] tokens (pad after a
+        stop) and [B, T] log-probs (0 after a stop), T <= max_tokens the steps taken."""
+        from transformers import DynamicCache, TemperatureLogitsWarper, TopPLogitsWarper
+        warpers = [TemperatureLogitsWarper(temperature)] if temperature > 0 and temperature != 1 else []
+        warpers += [TopPLogitsWarper(top_p)] if temperature > 0 and top_p < 1 else []
+        rows, device = input_ids.shape[0], input_ids.device
+        tokens = torch.full((rows, max_tokens), self.tokenizer.pad_token_id, device=device)
+        logprobs = torch.zeros(rows, max_tokens, device=device)
+        stops = torch.tensor(self.stop_ids, device=device)
+        cache, active = DynamicCache(config=self.model.config), torch.arange(rows, device=device)  # rows still going
+        positions = (attention_mask.cumsum(1) - 1).clamp(min=0)
+        # The prompt is read once for its n samples (rows repeat it): the cache rows are then copied to each sample.
+        prompts, copies = torch.cat([input_ids, attention_mask], 1).unique(dim=0, return_inverse=True)
+        step_ids, step_mask, step_positions = prompts[:, :input_ids.shape[1]], prompts[:, input_ids.shape[1]:], \
+            (prompts[:, input_ids.shape[1]:].cumsum(1) - 1).clamp(min=0)
+        renamed = "cache" in inspect.signature(self.model.forward).parameters  # transformers >= 5.2x: past_key_values
+        for step in range(max_tokens):
+            logits = self.model(input_ids=step_ids, attention_mask=step_mask, position_ids=step_positions,
+                                **{"cache" if renamed else "past_key_values": cache}, use_cache=True,
+                                logits_to_keep=1).logits[:, -1].float()
+            if step == 0:
+                logits = logits[copies]
+                cache.batch_select_indices(copies)
+            for warper in warpers:
+                logits = warper(None, logits)
+            token = torch.multinomial(logits.softmax(-1), 1)[:, 0] if temperature > 0 else logits.argmax(-1)
+            tokens[active, step] = token
+            logprobs[active, step] = logits.log_softmax(-1).gather(-1, token[:, None])[:, 0]
+            going = ~torch.isin(token, stops)
+            if step == max_tokens - 1 or not going.any():
+                break
+            if not going.all():  # the stopped rows leave the batch and the cache
+                keep = going.nonzero()[:, 0]
+                active, token, attention_mask, positions = active[keep], token[keep], attention_mask[keep], \
+                    positions[keep]
+                cache.batch_select_indices(keep)
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(active), 1)], 1)
+            positions, step_ids = positions[:, -1:] + 1, token[:, None]
+            step_mask, step_positions = attention_mask, positions
+        return tokens[:, :step + 1], logprobs[:, :step + 1]
 
 
 def stop_token_ids(model, tokenizer):
@@ -92,23 +127,16 @@ def stop_token_ids(model, tokenizer):
     return [i for i in dict.fromkeys([tokenizer.eos_token_id, *ids]) if i is not None]
 
 
-class _SampledLogprobs:
-    """A logits processor, last in line, recording log p(sampled token) under the processed distribution one step
-    behind (at step t it sees the token drawn at t - 1): one [B, V] log-softmax at a time, never all T steps."""
-
-    def __init__(self):
-        self.previous, self.logprobs = None, []
-
-    def __call__(self, input_ids, scores):
-        if self.previous is not None:
-            self.logprobs.append(self.previous.gather(-1, input_ids[:, -1:]).squeeze(-1))
-        self.previous = scores.float().log_softmax(-1)
-        return scores
-
-    def finish(self, sampled):
-        """[B, T] log-probs of the sampled tokens, the last step's included."""
-        last = self.previous.gather(-1, sampled[:, -1:]).squeeze(-1)
-        return torch.stack(self.logprobs + [last], 1)
+def reuse_engine_logprobs(choice, generator, policy, top_p):
+    """--old-logprobs: True when the old log-probs of the PPO ratio are the rollout engine's (Completion.logprobs),
+    False when the trainer recomputes them. `auto` reuses them where they are the trainer's own numbers up to float
+    noise (tests/test_logprobs.py): Hugging Face generate on the policy object itself (not a sharded run's copy), in
+    float32, at top-p 1 (below 1 the engine records the truncated distribution). With vLLM they are recomputed:
+    truncated importance sampling needs both. slime's --use-rollout-logprobs is the same option."""
+    if choice != "auto":
+        return choice == "engine"
+    return generator.engine == "hf" and getattr(generator, "model", None) is policy and top_p == 1 \
+        and getattr(policy, "compute_dtype", torch.float32) == torch.float32
 
 
 def resolve_generator(kind, device):

@@ -5,6 +5,7 @@ states, bf16 compute), gradient checkpointing, the micro-batch token budget and 
 Run.__init__ prints it when a real-model run starts (the tiny demo: with --gpu-memory-gib) and refuses, in one line
 naming flags that fit, a plan larger than the device. `python -m infra.memory --table`: the README's scaling table.
 Estimates from shapes, not measurements: not yet compared with a measured GPU peak."""
+import ctypes
 import dataclasses
 import importlib.util
 import itertools
@@ -248,3 +249,17 @@ if __name__ == "__main__":  # python -m infra.memory --table [--gpu-memory-gib 8
     if sys.argv[1:2] != ["--table"]:
         sys.exit("usage: python -m infra.memory --table [--gpu-memory-gib G]")
     print(scaling_table(float(sys.argv[3]) if sys.argv[2:3] == ["--gpu-memory-gib"] else 80))
+
+
+def keep_freed_host_memory():
+    """Let glibc keep freed blocks for reuse instead of handing each large one back to the OS: by default a block
+    over its mmap threshold (at most 32 MiB) is mapped for each tensor and unmapped when freed, so every update
+    page-faults its large tensors in again (a Qwen3-0.6B-shaped model's [vocabulary x hidden] gradients, 0.6 GB each).
+    On one CPU thread a 4-layer Qwen3-0.6B-shaped update step took 15-18 s without this, 8.6-9.7 s with it
+    (benchmarks/bench_update.py). Returns whether it was set (False off glibc)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's mallopt parameters (malloc.h)
+    return bool(libc.mallopt(m_mmap_threshold, GIB)) and bool(libc.mallopt(m_trim_threshold, 2 ** 31 - 1))

@@ -114,6 +114,8 @@ class Run:
         check_generator(args.generator, self.device)  # --generator vllm: runnable here
         check_model_source(args.model)  # a missing --model fails in one line, in seconds (offline too)
         memory.check(args, trainer_file, self.device)  # the memory plan per GPU: refused here if it cannot fit
+        if self.device.startswith("cpu") or args.offload_optimizer:  # host memory: freed blocks reused, not re-faulted
+            memory.keep_freed_host_memory()
         self.dir = run_directory(args, trainer_file)  # a clash with an existing run fails before any model loads
         self.resume_path, self.resumed_step = resume_point(args.resume)[1:] if args.resume else (None, 0)
         self.train_rows = data.load_rows(args.dataset, "train", n_builtin=65536, seed=args.seed,

@@ -529,6 +529,48 @@ def test_hf_generator_completions(tiny):
     assert eos not in [t for c in cut for t in c.token_ids]
 
 
+def test_hf_generator_greedy_equals_hugging_face_generate(tiny):
+    # The engine's own sampling loop (a stopped row leaves the batch and the KV cache) decodes greedily exactly as
+    # Hugging Face generate does, on prompts of different lengths (left padding) that stop at different steps.
+    from transformers import GenerationConfig
+    model, tokenizer = tiny
+    prompts = [common.prompt_ids(tokenizer, q) for q in PROMPT_QUESTIONS + ["9+9", "999+999"]]
+    ours = infra.engine.HFGenerator(model, tokenizer).generate(prompts, n=1, max_tokens=48, temperature=0.0)
+    pad, eos, width = tokenizer.pad_token_id, tokenizer.eos_token_id, max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    with torch.no_grad():
+        out = model.generate(input_ids=input_ids, attention_mask=(input_ids != pad).long(), generation_config=
+                             GenerationConfig(do_sample=False, max_new_tokens=48, eos_token_id=eos, pad_token_id=pad))
+    theirs = [row[width:].tolist() for row in out]
+    theirs = [row[:row.index(eos) + 1] if eos in row else row for row in theirs]
+    assert [c.token_ids for c in ours] == theirs
+    assert len({len(row) for row in theirs}) > 1  # the rows stopped at different steps
+
+
+def test_hf_generator_samples_the_models_distribution(tiny):
+    # 4096 first tokens after one prompt at temperature 2: each of the 5 likeliest tokens is drawn with its probability
+    # softmax(logits / 2) (p = 0.70, 0.024, ...), within 4 standard errors; at top-p 0.75 only the nucleus is drawn
+    # (the likeliest tokens until their mass reaches 0.75) and each nucleus token with its renormalized probability.
+    model, tokenizer = tiny
+    prompt = common.prompt_ids(tokenizer, "478+365")
+    with torch.no_grad():
+        probs = (model(input_ids=torch.tensor([prompt])).logits[0, -1] / 2.0).softmax(-1)
+    generator, n = infra.engine.HFGenerator(model, tokenizer), 4096
+    for top_p in (1.0, 0.75):
+        torch.manual_seed(0)
+        first = torch.tensor([c.token_ids[0] for c in generator.generate([prompt], n, 1, 2.0, top_p)])
+        order = probs.argsort(descending=True)
+        above = probs[order].cumsum(0) - probs[order]  # mass of the likelier tokens
+        nucleus = order[above < top_p]
+        expected = torch.zeros_like(probs)
+        expected[nucleus] = probs[nucleus] / probs[nucleus].sum()
+        assert set(first.tolist()) <= set(nucleus.tolist())
+        frequency = torch.bincount(first, minlength=len(probs)).float() / n
+        for token in order[:5]:
+            p = expected[token]
+            assert abs(frequency[token] - p) <= 4 * (p * (1 - p) / n).sqrt() + 1e-6, (top_p, token, frequency[token], p)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_engine_logprobs_equal_trainer_logprobs(tiny, temperature):
     model, tokenizer = tiny

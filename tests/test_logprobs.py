@@ -192,6 +192,26 @@ def test_hf_generator_overrides_a_checkpoints_generation_config(tmp_path):
     assert (engine - trainer)[batch.response_mask].abs().max() < 1e-4
 
 
+def test_old_logprobs_auto_reuses_only_the_hf_engines_own_numbers(tiny):
+    # --old-logprobs auto takes the engine's log-probs only where they are the trainer's (test above: equal to 1e-4):
+    # the HF engine on the policy object itself, float32, top-p 1. Forced choices are taken as given.
+    model, tokenizer = tiny
+    reuse, hf = infra.engine.reuse_engine_logprobs, infra.engine.HFGenerator(model, tokenizer)
+
+    class VLLM:
+        engine = "vllm"
+
+    assert reuse("auto", hf, model, 1.0)
+    assert not reuse("auto", hf, model, 0.95)  # the engine records the truncated (top-p) distribution
+    assert not reuse("auto", VLLM(), model, 1.0)  # another engine's numbers: truncated IS needs both
+    other, _ = common.load_model("tiny", "float32", "cpu")
+    assert not reuse("auto", hf, other, 1.0)  # a copy (a sharded run's engine), not the policy itself
+    other.compute_dtype = torch.bfloat16
+    assert not reuse("auto", infra.engine.HFGenerator(other, tokenizer), other, 1.0)  # bf16: cache vs full forward
+    assert not reuse("recompute", hf, model, 1.0)
+    assert reuse("engine", VLLM(), model, 0.95)
+
+
 def test_engine_logprobs_pads_with_zero():
     completions = [common.Completion(0, [4, 5], "", [-0.5, -1.5], "stop"),
                    common.Completion(0, [6], "", [-2.0], "length")]

@@ -86,3 +86,19 @@ def test_tppo_critic_targets_use_lambda_critic_not_lambda_actor(step_zero):
     assert default["reward"] == other_actor["reward"] == other_critic["reward"]  # the same rollout
     assert same(default, other_actor, CRITIC)
     assert not same(default, other_critic, ["critic_grad_norm"])
+
+
+@pytest.mark.parametrize("trainer", ["ppo", "grpo", "sp3o", "tppo", "sppo", "spo"])
+def test_old_logprobs_are_the_engines_where_exact_else_recomputed(step_zero, trainer):
+    # The logged gap |engine log-prob - old log-prob| is exactly 0 when the old log-probs are the HF engine's
+    # (--old-logprobs auto at top-p 1, the tiny preset of all but TPPO), and float noise (> 0, < 1e-4) when the
+    # trainer recomputes them (--old-logprobs recompute; TPPO samples at top-p 0.95: auto recomputes, the gap is then
+    # the truncation's, > 1e-4). Step 0's loss is the same either way, up to that noise.
+    auto, recomputed = step_zero(trainer), step_zero(trainer, "--old-logprobs", "recompute")
+    if trainer == "tppo":
+        assert auto["logprob_gap_max"] > 1e-4 and auto["logprob_gap_max"] == recomputed["logprob_gap_max"]
+        return
+    assert auto["logprob_gap_max"] == 0.0
+    assert 0.0 < recomputed["logprob_gap_max"] < 1e-4
+    if "policy_loss" in auto:  # the actor's loss is logged once a critic warm-up is over
+        assert auto["policy_loss"] == pytest.approx(recomputed["policy_loss"], abs=1e-5)
