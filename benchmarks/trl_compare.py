@@ -4,9 +4,9 @@
     OMP_NUM_THREADS=1 python benchmarks/trl_compare.py --pairs 5          # 5 pairs of runs, 12 rollouts each
     OMP_NUM_THREADS=1 python benchmarks/trl_compare.py --trl-python /work/venv-trl/bin/python --pairs 5
 
-The same work on both sides: the built-in tiny model (float32, loaded by from_pretrained), 16 built-in prompts x 8
-samples per rollout, at most 48 response tokens, sampling at temperature 1 (top-p 1, top-k off), reward = the
-project's verifier (common.score; 0 for a response cut at the limit), group-normalized advantages, PPO-clip 0.2,
+The same work on both sides: the built-in tiny model (float32, loaded by from_pretrained), 16 prompts of the 3-digit
+built-in task (`builtin:3`, about 37 tokens per response) x 8 samples per rollout, at most 48 response tokens,
+sampling at temperature 1 (top-p 1, top-k off), reward = the project's verifier (common.score; 0 for a response cut at the limit), group-normalized advantages, PPO-clip 0.2,
 token-mean loss, no reference model (beta 0), AdamW lr 1e-4 (constant), weight decay 0.01, grad clip 1.0, two
 optimizer steps of 64 samples per rollout, no gradient checkpointing, no dropout, one torch thread per process.
 What is not identical: the prompts each side draws (both from the built-in training set); the micro-batches (the
@@ -59,7 +59,7 @@ def project_side(rollouts, seed, extra):
                     "--max-response-tokens", str(MAX_TOKENS), "--lr", str(LR), "--mini-batches", str(MINI_BATCHES),
                     "--aggregation", "token-mean", "--kl-coef", "0",
                     "--no-gradient-checkpointing", "--eval-problems", "8", "--save-every", "0",
-                    "--output-dir", output_dir, *extra]
+                    "--dataset", "builtin:3", "--output-dir", output_dir, *extra]
         grpo.main()
     print(json.dumps(dict(seconds=differences(ends), cpu_seconds=differences(cpu_ends),
                           rollout=[p[0] for p in phases[1:]], update=[p[1] for p in phases[1:]])))
@@ -76,11 +76,11 @@ def trl_side(rollouts, seed, micro_batch):
     from trl import GRPOConfig, GRPOTrainer
 
     import common
-    from infra.tiny import build_tiny_model, builtin_rows
-    path = build_tiny_model()
+    from infra.tiny import builtin_rows, tiny_model_path
+    path = tiny_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    rows = builtin_rows("train", PROMPTS * (rollouts + 2), seed)
+    rows = builtin_rows("train", PROMPTS * (rollouts + 2), seed, digits=3)
     dataset = Dataset.from_list([{"prompt": common.plain_prompt(row["question"]), "answer": row["answer"]}
                                  for row in rows])  # the tiny tokenizer has no chat template: grpo.py's prompt
 
