@@ -6,9 +6,10 @@
 
 The same work on both sides: the built-in tiny model (float32, loaded by from_pretrained), 16 prompts of the 3-digit
 built-in task (`builtin:3`, about 37 tokens per response) x 8 samples per rollout, at most 48 response tokens,
-sampling at temperature 1 (top-p 1, top-k off), reward = the project's verifier (common.score; 0 for a response cut at the limit), group-normalized advantages, PPO-clip 0.2,
-token-mean loss, no reference model (beta 0), AdamW lr 1e-4 (constant), weight decay 0.01, grad clip 1.0, two
-optimizer steps of 64 samples per rollout, no gradient checkpointing, no dropout, one torch thread per process.
+sampling at temperature 1 (top-p 1, top-k off), reward = the project's verifier (common.score; 0 for a response cut
+at the limit), group-normalized advantages, PPO-clip 0.2, token-mean loss, no reference model (beta 0), AdamW lr
+1e-4 (constant), weight decay 0.01, grad clip 1.0, two optimizer steps of 64 samples per rollout, no gradient
+checkpointing, no dropout, one torch thread per process.
 What is not identical: the prompts each side draws (both from the built-in training set); the micro-batches (the
 project: its CPU preset's 16 sequences per forward/backward, gradients accumulated to 64; TRL: 64 per forward, its
 per_device_train_batch_size, or --trl-micro-batch); the old log-probs (the project reuses its engine's, equal up to
