@@ -59,7 +59,7 @@ def project_side(rollouts, seed, extra):
                     "--prompts-per-step", str(PROMPTS), "--samples-per-prompt", str(SAMPLES),
                     "--max-response-tokens", str(MAX_TOKENS), "--lr", str(LR), "--mini-batches", str(MINI_BATCHES),
                     "--aggregation", "token-mean", "--kl-coef", "0",
-                    "--no-gradient-checkpointing", "--eval-problems", "8", "--save-every", "0",
+                    "--no-gradient-checkpointing", "--eval-problems", "8", "--eval-every", "0", "--save-every", "0",
                     "--dataset", "builtin:3", "--output-dir", output_dir, *extra]
         grpo.main()
     print(json.dumps(dict(seconds=differences(ends), cpu_seconds=differences(cpu_ends),
