@@ -60,7 +60,7 @@ def test_two_steps_log_one_record_per_step(two_step_run):
         assert 0.0 <= record["eval/accuracy"] <= 1.0
         assert (record["eval/accuracy"] * 16) == pytest.approx(round(record["eval/accuracy"] * 16))
     config = json.load(open(os.path.join(two_step_run["run_dir"], "config.json")))
-    assert config["samples_per_prompt"] == 8 and config["prompts_per_step"] == 4 and config["lr"] == 1e-4
+    assert config["samples_per_prompt"] == 8 and config["prompts_per_step"] == 4 and config["lr"] == 3e-5
 
 
 def test_checkpoint_loads_with_transformers(two_step_run, tiny_path):

@@ -339,7 +339,7 @@ def test_check_args_accepts_a_micro_batch_larger_than_the_mini_batch():
 
 def test_grpo_args_tiny_preset_and_published_defaults():
     tiny = infra.cli.parse_args(grpo.Args, grpo.TINY_PRESET, [])
-    assert (tiny.model, tiny.steps, tiny.lr, tiny.eval_n, tiny.eval_temperature) == ("tiny", 60, 1e-4, 1, 0.0)
+    assert (tiny.model, tiny.steps, tiny.lr, tiny.eval_n, tiny.eval_temperature) == ("tiny", 60, 3e-5, 1, 0.0)
     real = infra.cli.parse_args(grpo.Args, grpo.TINY_PRESET, ["--model", "Qwen3-4B-Base"])
     # published settings (METHODS.md): 64 prompts x 8 samples, lr 1e-6, clip 0.2/0.2, 2 steps per rollout, 8192
     assert (real.steps, real.prompts_per_step, real.samples_per_prompt, real.lr) == (500, 64, 8, 1e-6)

@@ -486,7 +486,7 @@ def test_resume_takes_the_saved_settings_and_records_changes(monkeypatch, capsys
     assert again.endswith(f"{run_dir} already holds a finished run (3 steps): to train it further: python grpo.py "
                           f"--resume {run_dir} --steps 6; or pass another --run-name")
     line = refusal(monkeypatch, capsys, "grpo", "--resume", run_dir, "--steps", 4, "--eval-problems", 8, "--lr", 0.1)
-    assert "a resumed run keeps its saved settings, and --eval-problems 8 (saved: 4), --lr 0.1 (saved: 0.0001) " \
+    assert "a resumed run keeps its saved settings, and --eval-problems 8 (saved: 4), --lr 0.1 (saved: 3e-05) " \
            "would change them" in line
     assert f"start a new run from its weights: --model {run_dir}/checkpoints/step_000003/policy" in line
     assert "resume may change only --steps, " in line
