@@ -112,13 +112,13 @@ def main():
     print("figure:", infra.plot.plot(runs, os.path.join(ROOT, args.output_dir, "curves.png"),
                                      f"built-in task, {len(args.seeds)} seeds per method"))
     by_method = {m: sorted((r for r in results if r["method"] == m), key=lambda r: r["seed"]) for m in args.methods}
-    print(f"mean ± 95% interval over {len(args.seeds)} seeds; accuracy and gain in points")
-    print("| method | first | last | gain | area under curve | steps to 80% of gain | explained variance (middle) "
-          "| sign accuracy | wall time |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("mean ± 95% interval over the seeds; accuracy and gain in points")
+    print("| method | seeds | first | last | gain | area under curve | steps to 80% of gain | explained variance "
+          "(middle) | sign accuracy | wall time |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for method, rows in by_method.items():
         column = lambda key, scale=1.0, digits=1: interval([r[key] for r in rows], scale, digits)  # noqa: E731
-        print(f"| {method} | {column('first', 100)} | {column('last', 100)} | {column('gain', 100)} | "
+        print(f"| {method} | {len(rows)} | {column('first', 100)} | {column('last', 100)} | {column('gain', 100)} | "
               f"{column('auc', 100)} | {column('steps_to_80', 1, 0)} | {column('ev_middle', 1, 2)} | "
               f"{column('sign_accuracy', 1, 2)} | {column('seconds', 1, 0)} s |")
     for key in ("gain", "auc"):
