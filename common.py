@@ -89,6 +89,40 @@ def forward(model, batch, **kwargs):
         return model(**batch.model_inputs(), use_cache=False, **kwargs)
 
 
+def response_forward(model, batch):
+    """The model's outputs (.logits) at the states before each response token and after the last: columns P-1 ..
+    P+T-1, [B, T+1, ...]. Rows that share a prompt (a group's samples) share one pass over it: the prompt's keys and
+    values are computed once and indexed out to each row, so its activations and gradients are computed once per
+    group. The same numbers as one full forward up to float noise (tests/test_logprobs.py). One full forward under
+    gradient checkpointing (Hugging Face then keeps no cache) and FSDP (its backward hooks sit on a call's outputs;
+    the prompt pass has none in the loss)."""
+    from transformers import DynamicCache
+    prompt_width = batch.input_ids.shape[1] - batch.response_width
+    prefix = slice(0, prompt_width - 1)  # the last prompt column goes with the response, so each row gets its output
+    prompts, rows = torch.cat([batch.input_ids[:, prefix], batch.attention_mask[:, prefix]], 1).unique(
+        dim=0, return_inverse=True) if prompt_width > 1 else (batch.input_ids, None)
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in _parameters(model) else {}  # a value head keeps every column
+    if len(prompts) == len(batch.input_ids) or dist.sharded() or any(
+            getattr(module, "gradient_checkpointing", False) for module in model.modules()):
+        outputs = forward(model, batch, **({"logits_to_keep": batch.response_width + 1} if keep else {}))
+        outputs.logits = outputs.logits[:, -batch.response_width - 1:]
+        return outputs
+    first = torch.zeros(len(prompts), dtype=torch.long, device=rows.device).scatter_(
+        0, rows, torch.arange(len(rows), device=rows.device))  # a row of each distinct prompt
+    inputs, dtype = batch.model_inputs(), getattr(model, "compute_dtype", torch.float32)
+    cache = {"cache" if "cache" in _parameters(model) else "past_key_values": DynamicCache(config=model.config)}
+    with torch.autocast(batch.input_ids.device.type, dtype=dtype, enabled=dtype != torch.float32):
+        model(**{name: value[first, prefix] for name, value in inputs.items()}, use_cache=True, **cache, **keep)
+        next(iter(cache.values())).batch_select_indices(rows)  # indexed: the copies' gradients add up in the prompt
+        return model(input_ids=inputs["input_ids"][:, prompt_width - 1:], attention_mask=inputs["attention_mask"],
+                     position_ids=inputs["position_ids"][:, prompt_width - 1:], use_cache=True, **cache)
+
+
+def _parameters(model):
+    import inspect
+    return inspect.signature(model.forward).parameters
+
+
 # ----------------------------------------------------------------------------------------------
 # The prompt: a question string asks for the answer in \\boxed{}; a dataset's chat messages are used as given.
 # ----------------------------------------------------------------------------------------------
@@ -317,7 +351,7 @@ def token_logprobs(logits, tokens, temperature=1.0, chunk_elements=2 ** 24):
 def response_logprobs(model, batch, temperature=1.0):
     """[B, T] log-probs of the response tokens under `model` at the sampling temperature. The T+1 kept logit
     columns go in whole (slicing off the last one would force a copy); the last column's target is a filler."""
-    logits = forward(model, batch, logits_to_keep=batch.response_width + 1).logits
+    logits = response_forward(model, batch).logits
     targets = torch.cat([batch.response_ids, batch.response_ids[:, -1:]], 1)
     return token_logprobs(logits, targets, temperature)[:, :-1]
 
@@ -325,7 +359,7 @@ def response_logprobs(model, batch, temperature=1.0):
 def critic_outputs(critic, batch):
     """[B, T] the scalar head's raw outputs at the states before each response token: a value V(s_t) for the ppo.py
     family's critics, a logit f(x) for SPPO's (whose V(x) = sigmoid(f(x)))."""
-    return forward(critic, batch).logits[:, -batch.response_width - 1:-1, 0].float()
+    return response_forward(critic, batch).logits[:, :-1, 0].float()
 
 
 @torch.no_grad()
@@ -368,8 +402,9 @@ def token_budget_chunks(indices, lengths, max_tokens):
 def micro_batches(rows, lengths, micro_batch_size, max_tokens=0):
     """Micro-batches of `rows`: packed by padded token count when max_tokens > 0, else micro_batch_size rows each.
     Under torchrun every rank gets as many as the rank with the most (FSDP forwards are collective): the largest
-    micro-batches are halved until the counts agree."""
-    groups = token_budget_chunks(rows, lengths, max_tokens) if max_tokens else chunks(rows, micro_batch_size)
+    micro-batches are halved until the counts agree. Rows go in rollout order, so a group's samples meet in a
+    micro-batch, where response_forward reads their prompt once."""
+    groups = token_budget_chunks(rows, lengths, max_tokens) if max_tokens else chunks(sorted(rows), micro_batch_size)
     wanted = max(dist.gather_objects(len(groups)))
     while len(groups) < wanted:
         largest = max(range(len(groups)), key=lambda i: len(groups[i]))

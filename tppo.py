@@ -156,7 +156,7 @@ def tracking_value_logits(init_logit, increments, mask):
 def critic_logits(critic, batch, head="shared"):
     """[B, T] value logits of the tracking critic: its scalar outputs at the states s_t are the increments; z_0 is
     the output at s_0 of the same head (shared, the main variant) or of a second output (separate)."""
-    outputs = common.forward(critic, batch).logits[:, -batch.response_width - 1:-1].float()
+    outputs = common.response_forward(critic, batch).logits[:, :-1].float()
     return tracking_value_logits(outputs[:, 0, -1 if head == "separate" else 0], outputs[..., 0], batch.response_mask)
 
 

@@ -273,7 +273,9 @@ class Run:
         checkpoint = os.path.join(self.dir, "checkpoints", f"step_{steps_done:06d}", "policy")
         more = max(self.args.steps, 2 * steps_done)
         lines.append(f"  continue: {command('--resume', self.dir, '--steps', more)}")
-        evaluate = command('--eval-only', '--model', checkpoint, '--eval-datasets', *self.args.eval_datasets)
+        digits = ("--dataset", self.args.dataset) if self.args.dataset.startswith("builtin:") and \
+            "builtin" in self.args.eval_datasets else ()  # `builtin` evaluates the digits trained on
+        evaluate = command('--eval-only', '--model', checkpoint, *digits, '--eval-datasets', *self.args.eval_datasets)
         lines.append(f"  evaluate: {evaluate}")
         return "\n".join(lines)
 

@@ -33,6 +33,7 @@ def test_a_short_run_learns(trainer, run_cli, tmp_path, tiny_path):
     result = run_cli(f"{trainer}.py", "--steps", steps, *SMALL, *TRAINERS[trainer], "--run-name", "learn",
                      "--output-dir", tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "--dataset builtin:3 --eval-datasets builtin" in result.stdout  # the summary's evaluate: command
     with open(os.path.join(tmp_path, "learn", "metrics.jsonl")) as handle:
         records = [json.loads(line) for line in handle]
     with open(os.path.join(tmp_path, "learn", "config.json")) as handle:

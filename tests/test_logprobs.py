@@ -130,6 +130,60 @@ def test_response_logprobs_match_naive_and_gradients(tiny):
     model.zero_grad()
 
 
+def grouped_batch(tokenizer, prompt_lengths=(1, 5, 9, 3), samples=3, seed=0):
+    """`samples` rows per prompt (a prompt of one token included: nothing to share but the last column), responses
+    of 0-8 tokens (an empty one included)."""
+    rng = random.Random(seed)
+    prompts = [prompt for length in prompt_lengths
+               for prompt in [[rng.randint(4, 90) for _ in range(length)]] * samples]
+    responses = [[rng.randint(4, 90) for _ in range(rng.randint(0, 8))] for _ in prompts]
+    responses[1] = []
+    return common.sequence_batch(prompts, responses, tokenizer.pad_token_id)
+
+
+@pytest.mark.parametrize("value_head", [0, 1])
+def test_response_forward_shares_prompts_with_the_full_forwards_numbers(value_head):
+    """Rows of one prompt read it once (keys and values indexed out to each row): outputs at columns P-1 .. P+T-1
+    and every parameter's gradient equal one full forward's, for the policy and for a value-head critic."""
+    model, tokenizer = common.load_model("tiny", "float32", "cpu", value_head=value_head)
+    batch = grouped_batch(tokenizer)
+    calls = []
+    model.register_forward_hook(lambda module, args, kwargs, out: calls.append(kwargs["input_ids"].shape),
+                                with_kwargs=True)
+    shared = common.response_forward(model, batch).logits
+    assert calls[0] == (4, batch.input_ids.shape[1] - batch.response_width - 1)  # 4 distinct prompts, not 12 rows
+    full = model(**batch.model_inputs()).logits[:, -batch.response_width - 1:]
+    kept = torch.cat([torch.ones(len(batch.input_ids), 1, dtype=torch.bool), batch.response_mask], 1)
+    assert shared.shape == full.shape
+    assert torch.allclose(shared[kept], full[kept], atol=1e-5)
+    gradients = []
+    for outputs in (shared, full):
+        model.zero_grad()
+        outputs[kept].square().sum().backward(retain_graph=True)
+        gradients.append([parameter.grad.clone() for parameter in model.parameters()])
+    for ours, reference in zip(*gradients):  # float noise of a different summation order
+        assert (ours - reference).norm() <= 1e-5 * reference.norm() + 1e-6
+
+
+def test_response_forward_plain_when_nothing_is_shared(tiny):
+    """Distinct prompts take one plain forward: the critic's value head (no logits_to_keep) still returns T+1
+    columns."""
+    _, tokenizer = tiny
+    critic = common.load_model("tiny", "float32", "cpu", value_head=1)[0]
+    batch = grouped_batch(tokenizer, samples=1)
+    calls = []
+    critic.register_forward_hook(lambda module, args, out: calls.append(1))
+    values = common.critic_outputs(critic, batch)
+    assert len(calls) == 1 and values.shape == batch.response_ids.shape
+    full = critic(**batch.model_inputs()).logits[:, -batch.response_width - 1:-1, 0]
+    assert torch.allclose(values[batch.response_mask], full[batch.response_mask], atol=1e-5)
+
+
+def test_micro_batches_keep_a_groups_rows_together():
+    """Rows go in rollout order (a group's samples are consecutive there), whatever order the mini-batch drew."""
+    assert common.micro_batches([7, 0, 5, 2, 6, 1, 4, 3], None, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_hf_generator_logprobs_match_trainer(tiny, temperature):
     model, tokenizer = tiny
@@ -258,7 +312,7 @@ def test_token_budget_chunks_bound_the_selected_batch():
 
 
 def test_micro_batches_by_count_or_by_budget():
-    assert common.micro_batches([4, 5, 6], None, 2) == [[4, 5], [6]]
+    assert common.micro_batches([4, 6, 5], None, 2) == [[4, 5], [6]]
     assert common.micro_batches([4, 5, 6], {4: 1, 5: 3, 6: 2}, 2, max_tokens=4) == [[5], [6, 4]]
 
 

@@ -203,8 +203,10 @@ def test_scaling_table_rows():
 # The actor trains from the first step: its offloaded update is compared too. Old log-probs recomputed in every run:
 # an offloaded (sharded) run's engine is a copy and recomputes them; a plain run would reuse its engine's, equal to
 # the recomputed ones only up to float noise, and the runs are compared for exactly equal floats.
-SMALL = ["--prompts-per-step", 4, "--micro-batch-size", 16, "--eval-problems", 4, "--save-every", 0,
-         "--critic-warmup", 0, "--old-logprobs", "recompute"]
+# One sample per prompt: bit-exact across offload modes needs the same forward in both, and common.response_forward
+# shares a group's prompt pass only without FSDP (a different float summation).
+SMALL = ["--prompts-per-step", 4, "--samples-per-prompt", 1, "--micro-batch-size", 16, "--eval-problems", 4,
+         "--save-every", 0, "--critic-warmup", 0, "--old-logprobs", "recompute"]
 
 
 def start_ppo(output_dir, run_name, steps, *flags):

@@ -41,9 +41,14 @@ def test_tracking_logits_ignore_padding_values():
     assert logits.tolist() == [[1.0, 0.0, 4.0]]
 
 
-def fake_critic(outputs):
+class fake_critic(torch.nn.Module):
     """A stand-in for the value-head model: returns fixed per-column outputs [b, columns, labels]."""
-    return lambda **inputs: SimpleNamespace(logits=outputs)
+    def __init__(self, outputs):
+        super().__init__()
+        self.outputs = outputs
+
+    def forward(self, **inputs):
+        return SimpleNamespace(logits=self.outputs)
 
 
 def test_critic_logits_read_z0_at_the_last_prompt_token():
