@@ -66,8 +66,8 @@ def main():
     weights = {name: tensor.detach().clone() for name, tensor in infra.dist.full_weights(policy)}
     loss = infra.dist.rank_mean(total_loss)  # each rank's loss estimates the global one: their mean is it
     if infra.dist.rank() == 0:
-        torch.save({"loss": loss, "grad_norm": float(grad_norm), "weights": weights, "world_size": infra.dist.world_size(),
-                    "micro_batch_counts": micro_batch_counts}, out)
+        torch.save({"loss": loss, "grad_norm": float(grad_norm), "weights": weights,
+                    "world_size": infra.dist.world_size(), "micro_batch_counts": micro_batch_counts}, out)
     if infra.dist.distributed():
         torch.distributed.destroy_process_group()
 

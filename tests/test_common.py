@@ -39,7 +39,8 @@ def test_extract_answer_last_boxed_after_think_nested_braces():
     assert common.extract_answer("<think>so \\boxed{7}</think> The answer is \\boxed{8}") == "8"
     assert common.extract_answer("<think>\\boxed{7}</think> no box after thinking") is None
     assert common.extract_answer("\\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"
-    assert common.extract_answer("$\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}$") == "\\left( 3, \\frac{\\pi}{2} \\right)"
+    assert common.extract_answer("$\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}$") \
+        == "\\left( 3, \\frac{\\pi}{2} \\right)"
     assert common.extract_answer("\\boxed{ 42 }") == "42"
     assert common.extract_answer("no box at all") is None
     assert common.extract_answer("") is None
@@ -337,11 +338,13 @@ def test_addition_solution_hand_checked():
     # 478 + 365: 8+5 = 13 (write 3, carry 1); 7+6+1 = 14 (write 4, carry 1); 4+3+1 = 8 -> 843
     assert infra.tiny.addition_solution(478, 365) == "8+5+0=13 7+6+1=14 4+3+1=8 \\boxed{843}"
     # without carries every carry is written 0: 13 -> 3, 13 -> 3, 7 -> 733 (the habit RL has to fix)
-    assert infra.tiny.addition_solution(478, 365, drops_carry=lambda total: True) == "8+5+0=13 7+6+0=13 4+3+0=7 \\boxed{733}"
+    assert infra.tiny.addition_solution(478, 365, drops_carry=lambda total: True) \
+        == "8+5+0=13 7+6+0=13 4+3+0=7 \\boxed{733}"
     # a final carry becomes the leading digit: 999 + 999 = 1998
     assert infra.tiny.addition_solution(999, 999) == "9+9+0=18 9+9+1=19 9+9+1=19 \\boxed{1998}"
     # no carries at all: both ways agree
-    assert infra.tiny.addition_solution(123, 456) == infra.tiny.addition_solution(123, 456, drops_carry=lambda total: True) \
+    assert infra.tiny.addition_solution(123, 456) \
+        == infra.tiny.addition_solution(123, 456, drops_carry=lambda total: True) \
         == "3+6+0=9 2+5+0=7 1+4+0=5 \\boxed{579}"
     rng = random.Random(0)
     for _ in range(200):
@@ -576,8 +579,8 @@ def test_engine_logprobs_equal_trainer_logprobs(tiny, temperature):
     model, tokenizer = tiny
     prompts = [common.prompt_ids(tokenizer, q) for q in PROMPT_QUESTIONS]
     torch.manual_seed(1)
-    completions = infra.engine.HFGenerator(model, tokenizer).generate(prompts, n=2, max_tokens=48, temperature=temperature,
-                                                                top_p=1.0)
+    completions = infra.engine.HFGenerator(model, tokenizer).generate(prompts, n=2, max_tokens=48,
+                                                                      temperature=temperature, top_p=1.0)
     engine, trainer = engine_and_trainer_logprobs(model, tokenizer, completions, prompts, temperature)
     assert engine.numel() > 100
     assert (engine - trainer).abs().max().item() < 1e-4
@@ -588,7 +591,8 @@ def test_engine_logprobs_with_top_p_are_of_the_truncated_distribution(tiny):
     model, tokenizer = tiny
     prompts = [common.prompt_ids(tokenizer, q) for q in PROMPT_QUESTIONS]
     torch.manual_seed(2)
-    completions = infra.engine.HFGenerator(model, tokenizer).generate(prompts, n=2, max_tokens=48, temperature=1.0, top_p=0.5)
+    completions = infra.engine.HFGenerator(model, tokenizer).generate(prompts, n=2, max_tokens=48, temperature=1.0,
+                                                                      top_p=0.5)
     engine, trainer = engine_and_trainer_logprobs(model, tokenizer, completions, prompts, 1.0)
     assert (engine >= trainer - 1e-5).all()
     assert (engine - trainer).max().item() > 1e-3  # and it does differ somewhere
@@ -605,13 +609,15 @@ def test_checkpoint_round_trip(tmp_path, tiny_path):
     model(input_ids=torch.tensor([[5, 6, 7]]), labels=torch.tensor([[5, 6, 7]])).loss.backward()
     optimizer.step()
     for step in (1, 2, 3):
-        path = infra.checkpoint.save_checkpoint(str(tmp_path), step, {"policy": model}, {"policy": optimizer}, tokenizer, keep=2)
+        path = infra.checkpoint.save_checkpoint(str(tmp_path), step, {"policy": model}, {"policy": optimizer},
+                                                tokenizer, keep=2)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_000002", "step_000003"]
     expected_draw = torch.rand(3)  # the RNG state was saved before this draw
 
     restored = AutoModelForCausalLM.from_pretrained(tiny_path)
     restored_optimizer = torch.optim.AdamW(restored.parameters(), lr=1e-3)
-    assert infra.checkpoint.load_checkpoint(str(tmp_path), {"policy": restored}, {"policy": restored_optimizer}) == 3  # latest
+    assert infra.checkpoint.load_checkpoint(  # the latest
+        str(tmp_path), {"policy": restored}, {"policy": restored_optimizer}) == 3
     assert torch.equal(torch.rand(3), expected_draw)
     saved, loaded = model.state_dict(), restored.state_dict()
     assert all(torch.equal(saved[k], loaded[k]) for k in saved)

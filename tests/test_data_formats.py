@@ -273,7 +273,7 @@ SMALL = ["--steps", "2", "--prompts-per-step", "2", "--max-response-tokens", "16
          "--eval-max-tokens", "16", "--save-every", "0"]
 TRAINER_FLAGS = {
     "ppo": ["--samples-per-prompt", "2", "--micro-batch-size", "2", "--probe-every", "1", "--probe-prompts", "2",
-            "--probe-continuations", "2", "--critic-warmup", "1"],  # the critic probe's Monte Carlo values on chat rows too
+            "--probe-continuations", "2", "--critic-warmup", "1"],  # the probe's Monte Carlo values on chat rows too
     "grpo": ["--samples-per-prompt", "2", "--micro-batch-size", "2"],
     "sppo": ["--micro-batch-size", "1"],
     "sp3o": ["--samples-per-prompt", "2", "--micro-batch-size", "2", "--critic-warmup", "1"],

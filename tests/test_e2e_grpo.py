@@ -94,7 +94,8 @@ def test_resume_is_exact(two_step_run):
     check_ok(two_step_run["resumed"])
     straight = two_step_run["run"]("--steps", "3", "--run-name", "straight")
     check_ok(straight)
-    resumed, uninterrupted = read_metrics(two_step_run["run_dir"]), read_metrics(os.path.join(two_step_run["output"], "straight"))
+    resumed = read_metrics(two_step_run["run_dir"])
+    uninterrupted = read_metrics(os.path.join(two_step_run["output"], "straight"))
     for key in ("reward", "policy_loss", "clip_fraction", "grad_norm", "response_length", "eval/accuracy"):
         assert resumed[2][key] == pytest.approx(uninterrupted[2][key], rel=1e-5, abs=1e-7), key
     assert resumed[0]["reward"] == uninterrupted[0]["reward"]

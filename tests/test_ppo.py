@@ -123,7 +123,8 @@ def test_policy_loss_and_k3_are_the_same_code_in_every_trainer():
 def run_trainer(script, tmp_path, name, *extra):
     """Run `script` for 2 steps on the tiny model; returns the metrics.jsonl records."""
     command = [sys.executable, os.path.join(ROOT, script), "--steps", "2", "--prompts-per-step", "4",
-               "--eval-problems", "16", "--micro-batch-size", "16", "--run-name", name, "--output-dir", str(tmp_path), *extra]
+               "--eval-problems", "16", "--micro-batch-size", "16", "--run-name", name, "--output-dir", str(tmp_path),
+               *extra]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]

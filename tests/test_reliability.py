@@ -573,7 +573,7 @@ def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path, tiny_path):
     assert sorted(os.listdir(root)) == [".staging_000002", "step_000001"]  # no half-written step_000002
     model, tokenizer = common.load_model("tiny", device="cpu")
     optimizer = torch.optim.AdamW(model.parameters())
-    assert infra.checkpoint.load_checkpoint(run_dir, {"policy": model}, {"policy": optimizer}) == 1  # the latest whole one
+    assert infra.checkpoint.load_checkpoint(run_dir, {"policy": model}, {"policy": optimizer}) == 1  # latest whole
     assert_same({k: v for k, v in model.state_dict().items() if k != "lm_head.weight"},
                 load_file(os.path.join(tiny_path, "model.safetensors")))  # step 1's weights, not the +1 ones
     infra.checkpoint.save_checkpoint(run_dir, 2, {"policy": model}, {"policy": optimizer}, tokenizer)
@@ -590,13 +590,15 @@ def test_checkpoint_round_trip_and_mismatches(tmp_path, tiny):
         fresh_critic.score.weight.add_(1.0)
         fresh_model.model.norm.weight.add_(1.0)
     fresh = {"policy": fresh_model, "critic": fresh_critic}
-    infra.checkpoint.load_checkpoint(str(tmp_path), fresh, {k: torch.optim.AdamW(m.parameters()) for k, m in fresh.items()})
+    infra.checkpoint.load_checkpoint(str(tmp_path), fresh,
+                                     {k: torch.optim.AdamW(m.parameters()) for k, m in fresh.items()})
     assert_same(fresh_model.state_dict(), model.state_dict())
     assert_same(fresh_critic.state_dict(), critic.state_dict())
     policy_only = str(tmp_path / "policy_only")
     infra.checkpoint.save_checkpoint(policy_only, 1, {"policy": model}, {"policy": optimizers["policy"]}, tokenizer)
     with pytest.raises(infra.UserError, match="does not fit the model"):  # a policy checkpoint into a critic
-        infra.checkpoint.load_checkpoint(policy_only, {"policy": critic}, {"policy": torch.optim.AdamW(critic.parameters())})
+        infra.checkpoint.load_checkpoint(policy_only, {"policy": critic},
+                                         {"policy": torch.optim.AdamW(critic.parameters())})
     with pytest.raises(infra.UserError, match="saved by a trainer with models"):
         infra.checkpoint.load_checkpoint(policy_only, fresh, {"policy": None, "critic": None})
     with pytest.raises(infra.UserError, match="no such directory"):
@@ -607,7 +609,8 @@ def test_keeps_the_last_k_by_step_number(tmp_path, tiny):
     model, tokenizer = tiny
     optimizer = torch.optim.AdamW(model.parameters())
     for step in (999_999, 1_000_000, 1_000_001):  # past six digits: sorted by number, not by name
-        infra.checkpoint.save_checkpoint(str(tmp_path), step, {"policy": model}, {"policy": optimizer}, tokenizer, keep=2)
+        infra.checkpoint.save_checkpoint(str(tmp_path), step, {"policy": model}, {"policy": optimizer}, tokenizer,
+                                         keep=2)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_1000000", "step_1000001"]
 
 

@@ -153,9 +153,11 @@ def test_published_defaults_and_tiny_warmup():
     assert (args.lr, args.critic_lr, args.weight_decay, args.adam_betas) == (1e-6, 4e-6, 0.1, (0.9, 0.98))
     assert (args.whiten_advantages, args.critic_warmup, args.anchor_ratios) == (False, 20, (0.3, 0.6, 0.9))
     assert (args.aggregation, args.truncated_is, args.tis_cap) == ("seq-mean", "auto", 2.0)  # per sample, then samples
-    assert (args.prompts_per_step, args.samples_per_prompt, args.mini_batches, args.max_response_tokens) == (64, 8, 2, 8192)
+    assert (args.prompts_per_step, args.samples_per_prompt, args.mini_batches,
+            args.max_response_tokens) == (64, 8, 2, 8192)
     assert infra.cli.parse_args(sp3o.Args, sp3o.TINY_PRESET, []).critic_warmup == 5
-    ablation = infra.cli.parse_args(sp3o.Args, sp3o.TINY_PRESET, ["--anchor-ratios", "0.2", "0.5", "0.8", "--tail-ratio", "0"])
+    ablation = infra.cli.parse_args(sp3o.Args, sp3o.TINY_PRESET,
+                                    ["--anchor-ratios", "0.2", "0.5", "0.8", "--tail-ratio", "0"])
     assert (ablation.anchor_ratios, ablation.tail_ratio) == ((0.2, 0.5, 0.8), 0.0)
 
 
@@ -169,9 +171,9 @@ def test_bad_anchor_ratios_are_a_user_error():
 def test_sp3o_end_to_end_warmup_freezes_the_actor(tmp_path):
     from safetensors.torch import load_file
     name = "e2e_sp3o"
-    command = [sys.executable, os.path.join(ROOT, "sp3o.py"), "--steps", "3", "--critic-warmup", "2", "--prompts-per-step",
-               "4", "--eval-problems", "16", "--micro-batch-size", "16", "--save-every", "1", "--keep-checkpoints", "5",
-               "--run-name", name, "--output-dir", str(tmp_path)]
+    command = [sys.executable, os.path.join(ROOT, "sp3o.py"), "--steps", "3", "--critic-warmup", "2",
+               "--prompts-per-step", "4", "--eval-problems", "16", "--micro-batch-size", "16", "--save-every", "1",
+               "--keep-checkpoints", "5", "--run-name", name, "--output-dir", str(tmp_path)]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
