@@ -41,7 +41,7 @@ def test_tracking_logits_ignore_padding_values():
     assert logits.tolist() == [[1.0, 0.0, 4.0]]
 
 
-class fake_critic(torch.nn.Module):
+class FakeCritic(torch.nn.Module):
     """A stand-in for the value-head model: returns fixed per-column outputs [b, columns, labels]."""
     def __init__(self, outputs):
         super().__init__()
@@ -56,10 +56,10 @@ def test_critic_logits_read_z0_at_the_last_prompt_token():
     outputs = torch.arange(10, dtype=torch.float32).view(2, 5, 1)  # row 0: 0..4, row 1: 5..9
     # Response columns start at 2; s_0 is column 1 (the last prompt token), s_1 column 2, s_2 column 3.
     # Row 0: z = 1, 1 + 2, 3 + 3 = [1, 3, 6]; row 1 has 1 response token: z = [6], padding 0.
-    assert tppo.critic_logits(fake_critic(outputs), batch).tolist() == [[1.0, 3.0, 6.0], [6.0, 0.0, 0.0]]
+    assert tppo.critic_logits(FakeCritic(outputs), batch).tolist() == [[1.0, 3.0, 6.0], [6.0, 0.0, 0.0]]
     # Separate head: z_0 is the second output at s_0 (here 100 + column); increments stay the first output.
     two = torch.cat([outputs, outputs + 100], dim=2)
-    separate = tppo.critic_logits(fake_critic(two), batch, "separate")
+    separate = tppo.critic_logits(FakeCritic(two), batch, "separate")
     assert separate.tolist() == [[101.0, 103.0, 106.0], [106.0, 0.0, 0.0]]
 
 
