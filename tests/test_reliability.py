@@ -20,13 +20,12 @@ import common
 import infra.checkpoint
 import infra.data
 import infra.run
-from helpers import kill_then_resume, records
+from helpers import assert_same_records, finish_resumed, kill_then_resume, killed_on_exit, records
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINERS = [name for name in ("ppo", "grpo", "sppo", "sp3o", "tppo", "spo")
             if os.path.exists(os.path.join(REPO, f"{name}.py"))]
 SMALL = ["--prompts-per-step", 4, "--micro-batch-size", 16, "--eval-problems", 4]  # 32 samples, 2 mini-batches
-TIMING_KEYS = {"rollout_s", "update_s", "tokens_per_s"}
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -632,7 +631,7 @@ def test_sigterm_saves_a_checkpoint_that_resumes_exactly(tmp_path):
     straight, stopped = str(tmp_path / "straight"), str(tmp_path / "stopped")
     flags = ["--steps", 5, "--save-every", 0]  # the only checkpoint before the end is the one SIGTERM makes
     straight_run, stopped_run = start_grpo(straight, *flags), start_grpo(stopped, *flags)
-    try:
+    with killed_on_exit(straight_run, stopped_run):
         metrics, deadline = os.path.join(stopped, "metrics.jsonl"), time.monotonic() + 600
         while stopped_run.poll() is None and time.monotonic() < deadline and \
                 not (os.path.exists(metrics) and len(open(metrics).readlines()) >= 2):
@@ -645,19 +644,8 @@ def test_sigterm_saves_a_checkpoint_that_resumes_exactly(tmp_path):
         assert "SIGTERM: stopping after this step, with a checkpoint" in output
         assert f"stopped after step {saved[0] - 1} (SIGTERM); continue with: python grpo.py --resume {stopped}" \
             in output
-        resumed = start_grpo(stopped, *flags, "--resume", stopped)
-        output = resumed.communicate(timeout=600)[0]
-        assert resumed.returncode == 0, output[-3000:]
-        assert straight_run.wait(600) == 0, straight_run.communicate()[0][-3000:]
-    finally:
-        for process in (straight_run, stopped_run):
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-    a, b = records(straight), records(stopped)
-    assert sorted(a) == sorted(b) == list(range(5))
-    for step in range(5):
-        keys = (set(a[step]) & set(b[step])) - TIMING_KEYS
-        assert {k: a[step][k] for k in keys} == {k: b[step][k] for k in keys}, step  # exactly equal floats
+        finish_resumed(start_grpo(stopped, *flags, "--resume", stopped), straight_run)
+    assert_same_records(records(straight), records(stopped), 5)
     final_a, final_b = (os.path.join(run, "checkpoints", "step_000005") for run in (straight, stopped))
     assert_same(tensors(final_a), tensors(final_b))
     assert_same(trainer_state(final_a), trainer_state(final_b))  # Adam moments, step counts and RNG states
@@ -667,15 +655,7 @@ def test_resume_after_sigkill_is_exact(tmp_path, capsys):
     """6 steps in one run == 3 steps, SIGKILL, then --resume: the same rewards, losses and final parameters."""
     straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
     resumed_from = kill_then_resume(start_grpo, straight, killed, kill_at=3)
-    a, b = records(straight), records(killed)
-    assert sorted(a) == sorted(b) == list(range(6))
-    table = []
-    for step in range(6):
-        keys = (set(a[step]) & set(b[step])) - TIMING_KEYS
-        assert {k: a[step][k] for k in keys} == {k: b[step][k] for k in keys}, step  # exactly equal floats
-        table.append(f"  step {step}: reward {a[step]['reward']:.4f} / {b[step]['reward']:.4f}  policy_loss "
-                     f"{a[step]['policy_loss']:.6g} / {b[step]['policy_loss']:.6g}  grad_norm "
-                     f"{a[step]['grad_norm']:.6g} / {b[step]['grad_norm']:.6g}" + " (resumed)" * (step >= resumed_from))
+    table = assert_same_records(records(straight), records(killed), 6, resumed_from)
     final_a, final_b = (os.path.join(run, "checkpoints", "step_000006") for run in (straight, killed))
     assert_same(tensors(final_a), tensors(final_b))
     assert_same(trainer_state(final_a), trainer_state(final_b))  # Adam moments, step counts and RNG states

@@ -26,13 +26,12 @@ import infra.engine
 import infra.run
 import infra.tiny
 from infra import vllm_engine
-from helpers import kill_then_resume, records
+from helpers import assert_same_records, kill_then_resume, records
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VLLM_PROBLEM = vllm_engine.vllm_problem(DEVICE)
 KV_GIB = 1 / 16  # 64 MiB: 65,536 tokens of the tiny model's KV cache
-TIMING_KEYS = {"rollout_s", "update_s", "tokens_per_s"}
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
@@ -453,15 +452,7 @@ def test_resume_after_sigkill_is_exact_with_vllm(tmp_path, tiny_path, capsys):
     from safetensors.torch import load_file
     straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
     resumed_from = kill_then_resume(start_grpo, straight, killed, kill_at=2)
-    a, b = records(straight), records(killed)
-    assert sorted(a) == sorted(b) == list(range(4))
-    table = []
-    for step in range(4):
-        keys = (set(a[step]) & set(b[step])) - TIMING_KEYS
-        assert {k: a[step][k] for k in keys} == {k: b[step][k] for k in keys}, step  # exactly equal floats
-        table.append(f"  step {step}: reward {a[step]['reward']:.4f} / {b[step]['reward']:.4f}  policy_loss "
-                     f"{a[step]['policy_loss']:.6g} / {b[step]['policy_loss']:.6g}"
-                     + " (resumed)" * (step >= resumed_from))
+    table = assert_same_records(records(straight), records(killed), 4, resumed_from, ("reward", "policy_loss"))
     final_a, final_b = (os.path.join(run, "checkpoints", "step_000004") for run in (straight, killed))
     weights_a, weights_b = (load_file(os.path.join(run, "policy", "model.safetensors")) for run in (final_a, final_b))
     assert weights_a.keys() == weights_b.keys() and all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
