@@ -4,6 +4,7 @@ reader may skip (command line, torchrun, data files, evaluation, checkpoints, th
 """
 import dataclasses
 import decimal
+import inspect
 import os
 import re
 import time
@@ -101,9 +102,9 @@ def response_forward(model, batch):
     prefix = slice(0, prompt_width - 1)  # the last prompt column goes with the response, so each row gets its output
     prompts, rows = torch.cat([batch.input_ids[:, prefix], batch.attention_mask[:, prefix]], 1).unique(
         dim=0, return_inverse=True) if prompt_width > 1 else (batch.input_ids, None)
-    parameters = _parameters(model)
+    parameters = inspect.signature(model.forward).parameters
     keep = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}  # a value head keeps every column
-    cache_name = next((name for name in ("cache", "past_key_values") if name in parameters), None)  # renamed in 5.2x
+    cache_name = cache_argument(model)
     if len(prompts) == len(batch.input_ids) or dist.sharded() or cache_name is None or any(
             getattr(module, "gradient_checkpointing", False) for module in model.modules()):
         outputs = forward(model, batch, **({"logits_to_keep": batch.response_width + 1} if keep else {}))
@@ -112,17 +113,20 @@ def response_forward(model, batch):
     first = torch.zeros(len(prompts), dtype=torch.long, device=rows.device).scatter_(
         0, rows, torch.arange(len(rows), device=rows.device))  # a row of each distinct prompt
     inputs, dtype = batch.model_inputs(), getattr(model, "compute_dtype", torch.float32)
-    cache = {cache_name: DynamicCache(config=model.config)}
+    cache = DynamicCache(config=model.config)
     with torch.autocast(batch.input_ids.device.type, dtype=dtype, enabled=dtype != torch.float32):
-        model(**{name: value[first, prefix] for name, value in inputs.items()}, use_cache=True, **cache, **keep)
-        next(iter(cache.values())).batch_select_indices(rows)  # indexed: the copies' gradients add up in the prompt
+        model(**{name: value[first, prefix] for name, value in inputs.items()}, use_cache=True, **{cache_name: cache},
+              **keep)
+        cache.batch_select_indices(rows)  # indexed: the copies' gradients add up in the prompt's pass
         return model(input_ids=inputs["input_ids"][:, prompt_width - 1:], attention_mask=inputs["attention_mask"],
-                     position_ids=inputs["position_ids"][:, prompt_width - 1:], use_cache=True, **cache)
+                     position_ids=inputs["position_ids"][:, prompt_width - 1:], use_cache=True, **{cache_name: cache})
 
 
-def _parameters(model):
-    import inspect
-    return inspect.signature(model.forward).parameters
+def cache_argument(model):
+    """The name model.forward takes a KV cache by (`cache` since transformers 5.2x, `past_key_values` before), or
+    None."""
+    parameters = inspect.signature(model.forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in parameters), None)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -2,11 +2,9 @@
 the sampled tokens and their log-probs under the processed (temperature / top-p) distribution. HFGenerator samples
 with the trainer's own model (generate's sampling, in a leaner loop); the vLLM engine lives in infra/vllm_engine.py.
 """
-import inspect
-
 import torch
 
-from common import Completion
+from common import Completion, cache_argument
 from infra import UserError, dist
 
 
@@ -92,10 +90,10 @@ class HFGenerator:
         prompts, copies = torch.cat([input_ids, attention_mask], 1).unique(dim=0, return_inverse=True)
         step_ids, step_mask, step_positions = prompts[:, :input_ids.shape[1]], prompts[:, input_ids.shape[1]:], \
             (prompts[:, input_ids.shape[1]:].cumsum(1) - 1).clamp(min=0)
-        renamed = "cache" in inspect.signature(self.model.forward).parameters  # transformers >= 5.2x: past_key_values
+        cache_name = cache_argument(self.model)
         for step in range(max_tokens):
             logits = self.model(input_ids=step_ids, attention_mask=step_mask, position_ids=step_positions,
-                                **{"cache" if renamed else "past_key_values": cache}, use_cache=True,
+                                **{cache_name: cache}, use_cache=True,
                                 logits_to_keep=1).logits[:, -1].float()
             if step == 0:
                 logits = logits[copies]
