@@ -29,10 +29,10 @@ from infra.resume import WHERE, command, resume_point, run_directory, saved_sett
 def run_main(main):
     """Run a trainer's main(): a UserError becomes a one-line message and exit code 2, a second Ctrl-C code 130.
     On the way out the run is closed (Run.close): a start that finished no step leaves no folder behind."""
-    hint = True  # after an interrupt or a crash: say how to continue
+    hint, finished = True, False  # hint: after an interrupt or a crash, say how to continue
     try:
         main()
-        hint = False
+        hint, finished = False, True
     except UserError as error:
         hint = False
         if dist.rank() == 0:
@@ -44,6 +44,8 @@ def run_main(main):
         for run in list(_OPEN_RUNS):
             run.close(hint)
         if dist.sharded() and torch.distributed.is_initialized():
+            if finished and dist.distributed():  # finished: no rank tears down while another still uses the group
+                torch.distributed.barrier()  # (after a crash the others may never get here)
             torch.distributed.destroy_process_group()
 
 

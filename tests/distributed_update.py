@@ -69,6 +69,7 @@ def main():
         torch.save({"loss": loss, "grad_norm": float(grad_norm), "weights": weights,
                     "world_size": infra.dist.world_size(), "micro_batch_counts": micro_batch_counts}, out)
     if infra.dist.distributed():
+        torch.distributed.barrier()  # no rank tears its connections down while another still uses them
         torch.distributed.destroy_process_group()
 
 

@@ -1,5 +1,6 @@
 """Several processes (torchrun, gloo on CPU): one update on a fixed batch agrees for 1 and 2 ranks and any
 micro-batch split; the trainers run under `torchrun --nproc-per-node 2`, save sharded checkpoints and resume."""
+import functools
 import json
 import math
 import os
@@ -16,10 +17,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
-def torchrun(*args, timeout=300):
-    """`torchrun --standalone --nproc-per-node 2 <args>` from the repository root (standalone: a free port)."""
+def torchrun(*args, timeout=300, relaunch_on_abort=False):
+    """`torchrun --standalone --nproc-per-node 2 <args>` from the repository root (standalone: a free port).
+    relaunch_on_abort: launch once more if a rank aborted in C++ ("terminate called without an active exception"),
+    seen in CI once, in distributed_update.py, on 1 of 5 clean-clone runs, and not reproduced in 33 launches here."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *map(str, args)]
-    return subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
+    if relaunch_on_abort and result.returncode and "terminate called without an active exception" in result.stderr:
+        result = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
+    return result
 
 
 def single(*args, timeout=300):
@@ -36,9 +42,10 @@ def check_ok(result):
 def updates(tmp_path_factory, tiny_path):
     """The same update (tests/distributed_update.py) in 1 process and in 2, with different micro-batch splits."""
     folder, results = tmp_path_factory.mktemp("updates"), {}
+    two_ranks = functools.partial(torchrun, relaunch_on_abort=True)
     for name, launch, split in [("1 rank, micro 8", single, (8,)), ("1 rank, micro 3", single, (3,)),
-                                ("1 rank, 20 tokens", single, (8, 20)), ("2 ranks, micro 2", torchrun, (2,)),
-                                ("2 ranks, 26 tokens", torchrun, (8, 26))]:
+                                ("1 rank, 20 tokens", single, (8, 20)), ("2 ranks, micro 2", two_ranks, (2,)),
+                                ("2 ranks, 26 tokens", two_ranks, (8, 26))]:
         out = folder / f"{len(results)}.pt"
         check_ok(launch("tests/distributed_update.py", out, *split))
         results[name] = torch.load(out, weights_only=False)
