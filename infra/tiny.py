@@ -16,7 +16,7 @@ from infra import UserError
 
 SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "tiny")
 CACHE_DIR = os.path.expanduser(os.environ.get("RL_REASONING_CACHE", "~/.cache/rl-reasoning"))
-TINY_MODEL_VERSION = "tiny-v3"  # the cache's name for a model built here when models/tiny/ is absent
+TINY_MODEL_VERSION = "tiny-v4"  # the cache's name for a model built here when models/tiny/ is absent
 TINY_SHAPE = (128, 2, 100)  # hidden size, layers, vocabulary of the built-in tiny model
 
 
@@ -62,9 +62,9 @@ def addition_solution(a, b, drops_carry=None):
 
 def carry_habit(rng):
     """The supervised data's habit: the carry of a column summing to 10 is dropped with probability 0.95, to 11 with
-    0.85, ..., to 19 with 0.05. Greedy decoding drops it after 10-14 and keeps it after 15-19, so RL has five
-    separate contexts to fix, each learned when its own failures are credited."""
-    return lambda total: rng.random() < 0.95 - 0.1 * (total - 10)
+    0.825, ..., to 17 with 0.075 (0.125 less per unit), never after 18 or 19. Greedy decoding drops it after 10-13 and
+    keeps it after 14-19, so RL has four separate contexts to fix, each learned when its own failures are credited."""
+    return lambda total: rng.random() < 0.95 - 0.125 * (total - 10)
 
 
 def builtin_rows(split, n, seed, digits=DIGITS):
@@ -81,8 +81,8 @@ def tiny_model_path():
 
 def build_tiny_model(path, sft_steps=SFT_STEPS, seed=0):
     """Build the tiny model into `path` (kept if one is there): a 2-layer Qwen3 with a character tokenizer,
-    supervised on 3- to 7-digit additions written with carry_habit, so it starts low (greedy: about 10% of the
-    6-digit held-out problems) and RL has five carry contexts to fix. A normal HF checkpoint directory."""
+    supervised on 3- to 7-digit additions written with carry_habit, so it starts low (greedy: about 7% of the
+    6-digit held-out problems) and RL has four carry contexts to fix. A normal HF checkpoint directory."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers

@@ -357,9 +357,10 @@ def test_the_carry_habit_drops_each_carry_on_its_own():
     assert infra.tiny.addition_solution(478, 365, lambda total: total == 14) == "8+5+0=13 7+6+1=14 4+3+0=7 \\boxed{743}"
     # the final carry (the answer's leading 1) drops the same way: 500 + 600 -> 0, 0, 5+6=11 -> 100 (not 1100)
     assert infra.tiny.addition_solution(500, 600, lambda total: True) == "0+0+0=0 0+0+0=0 5+6+0=11 \\boxed{100}"
-    # the habit: a carry after a column total of 10 is dropped with probability 0.95, ..., after 19 with 0.05
+    # the habit: a carry after a column total of 10 is dropped with probability 0.95, 0.125 less per unit above,
+    # never after 18 or 19; greedy decoding drops it after 10-13 (above 1/2) and keeps it after 14-19
     habit = infra.tiny.carry_habit(random.Random(0))
-    for total, dropped in ((10, 0.95), (12, 0.75), (14, 0.55), (15, 0.45), (19, 0.05)):
+    for total, dropped in ((10, 0.95), (12, 0.70), (13, 0.575), (14, 0.45), (17, 0.075), (18, 0.0), (19, 0.0)):
         assert abs(sum(habit(total) for _ in range(20000)) / 20000 - dropped) < 0.015, total
 
 
@@ -475,11 +476,11 @@ def test_tiny_model_is_a_real_checkpoint(tiny_path, tiny):
 
 
 def test_tiny_model_greedy_heldout_accuracy(tiny):
-    """The shipped model (models/tiny): greedy, it solves 10 of the first 256 6-digit held-out problems (3.9%) and
-    61 of the 3-digit ones (23.8%), measured when it was built; its carry habit keeps it low."""
+    """The shipped model (models/tiny): greedy, it solves 19 of the first 256 6-digit held-out problems (7.4%) and
+    73 of the 3-digit ones (28.5%), measured when it was built; its carry habit keeps it low."""
     model, tokenizer = tiny
     generator = infra.engine.HFGenerator(model, tokenizer)
-    for spec, band in (("builtin", (0.02, 0.08)), ("builtin:3", (0.15, 0.32))):
+    for spec, band in (("builtin", (0.05, 0.10)), ("builtin:3", (0.22, 0.35))):
         eval_sets = infra.data.load_eval_sets(spec, 256)
         assert len(eval_sets[spec]) == 256
         metrics = infra.evaluate.evaluate(generator, tokenizer, eval_sets, n=1, max_tokens=96, temperature=0.0)
@@ -490,12 +491,12 @@ def test_tiny_model_greedy_heldout_accuracy(tiny):
 @pytest.mark.slow
 def test_the_build_command_makes_a_model_in_the_shipped_band(tmp_path):
     """`python -m infra.tiny DIR` from scratch (20 minutes on a busy 2-core machine; deselected, run with -m slow):
-    its greedy 6-digit accuracy lands within 5 points of the shipped model's 3.9%."""
+    its greedy 6-digit accuracy lands within 5 points of the shipped model's 7.4%."""
     result = subprocess.run([sys.executable, "-m", "infra.tiny", str(tmp_path / "built")], cwd=ROOT,
                             capture_output=True, text=True, timeout=3600)
     assert result.returncode == 0, result.stderr[-3000:]
     accuracy = infra.tiny.greedy_accuracy(str(tmp_path / "built"))
-    assert abs(accuracy - 0.039) <= 0.05, (accuracy, result.stdout)
+    assert abs(accuracy - 0.074) <= 0.05, (accuracy, result.stdout)
 
 
 def engine_and_trainer_logprobs(model, tokenizer, completions, prompts, temperature):
