@@ -3,13 +3,14 @@ metrics.jsonl only. ppo.py and sp3o.py first train only the critic for the tiny 
 actor frozen, as released), so they run 5 + 8 steps. On the 3-digit task the tiny model solves half of the first 16
 held-out problems greedily (8 of 16); a flipped advantage sign drives the reward down, a dropped advantage leaves the
 policy, and so the greedy evaluation, where it was.
-Measured with these flags on the shipped model (models/tiny), seeds 0 and 1 (12 runs): the held-out accuracy rose by
-0.312 or more (spo both seeds, ppo seed 1; the others 0.375-0.438), the last 4 rollouts' mean reward exceeded that
-of the rollouts before the first actor update by 0.242 or more (grpo seed 1; the others 0.29-0.496). In CI's clean
-environment spo seed 0 gained 0.1875 (3 of 16) where this machine's run gained 0.312, hence a margin of 2 of 16. SPO
-is the least sure learner: with seed 2 it gained 0.062, reward margin 0.082 (it would fail; the test runs seed 0).
-On the previous tiny model (issue 20), a flipped advantage sign planted in each trainer's loss call gave accuracy
-gains of -0.06 to -0.31 and a zeroed advantage a gain of 0, each failing here."""
+Measured with these flags on the shipped model (models/tiny, v4), seeds 0 and 1 (12 runs): the held-out accuracy
+rose by 0.25 or more with seed 0 (spo; the others 0.312-0.438) and by 0.125 or more with seed 1 (spo; the others
+0.25-0.375); the last 4 rollouts' mean reward exceeded that of the rollouts before the first actor update by 0.174
+or more with seed 0 (sp3o; the others 0.206-0.426) and 0.109 or more with seed 1 (grpo). On the previous model, CI's
+clean environment gave spo seed 0 a gain 2 of 16 below this machine's, hence the margin; SPO is the least sure
+learner. A flipped advantage sign planted in the loss call (seed 0): grpo's accuracy fell by 0.438 (reward -0.238),
+spo's by 0.188 (reward -0.109), each failing here; on the previous model the same held for all six trainers
+(-0.06 to -0.31) and a zeroed advantage gave a gain of 0."""
 import importlib
 import json
 import os
