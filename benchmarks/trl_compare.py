@@ -1,8 +1,8 @@
 """Step time of grpo.py against TRL's GRPOTrainer on the same work, runs alternated, the ratio TRL / project.
 
     pip install trl==1.16.0          # optional; in its own venv if it conflicts: --trl-python that venv's python
-    OMP_NUM_THREADS=1 python benchmarks/trl_compare.py --pairs 5          # 5 pairs of runs, 12 rollouts each
-    OMP_NUM_THREADS=1 python benchmarks/trl_compare.py --trl-python /work/venv-trl/bin/python --pairs 5
+    OMP_NUM_THREADS=1 python benchmarks/trl_compare.py                    # 10 pairs of runs, 12 rollouts each
+    OMP_NUM_THREADS=1 python benchmarks/trl_compare.py --trl-python <a venv with trl>/bin/python
 
 The same work on both sides: the built-in tiny model (float32, loaded by from_pretrained), 16 prompts of the 3-digit
 built-in task (`builtin:3`, about 37 tokens per response) x 8 samples per rollout, at most 48 response tokens,
@@ -132,7 +132,8 @@ def run_side(python, side, args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=3, help="alternated pairs of runs (one project, one TRL)")
+    parser.add_argument("--pairs", type=int, default=10, help="alternated pairs of runs (one project, one TRL); "
+                        "a shared machine's speed drifts, and the median of fewer pairs moves with it")
     parser.add_argument("--rollouts", type=int, default=12, help="timed rollouts per run (each: 2 optimizer steps)")
     parser.add_argument("--warmup", type=int, default=3, help="rollouts dropped from the start of each run")
     parser.add_argument("--seed", type=int, default=0)
