@@ -1,0 +1,49 @@
+"""The benchmark scripts the README sends a reader to, run small with the flags it shows: benchmarks/trl_compare.py's
+project side (TRL's side needs trl, an optional install, and is not run here) and benchmarks/critic_ceiling.py. Their
+full runs and figures are in the README and docs/scaling.md."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NUMBER = r"(-?\d+\.\d+)"
+
+
+def run_script(*argv):
+    done = subprocess.run([sys.executable, *argv], cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_trl_compare_times_whole_steps_and_their_phases():
+    """One timing per rollout after the first: the step's wall and CPU time, and the rollout and update phases that
+    grpo.py logged for that step, which lie inside it."""
+    printed = run_script("benchmarks/trl_compare.py", "--side", "project", "--rollouts", "3")
+    timings = json.loads([line for line in printed.splitlines() if line.startswith("{")][-1])
+    assert {key: len(values) for key, values in timings.items()} == dict(seconds=3, cpu_seconds=3, rollout=3, update=3)
+    steps = zip(timings["seconds"], timings["cpu_seconds"], timings["rollout"], timings["update"])
+    for seconds, cpu_seconds, rollout, update in steps:
+        assert rollout > 0 and update > 0 and rollout + update < seconds + 0.01  # two clocks: 10 ms of slack
+        assert 0 < cpu_seconds < 2 * seconds  # one thread (and its verifier's waits are not the process's CPU)
+
+
+def test_critic_ceiling_reports_the_monte_carlo_and_fitted_critics():
+    """The README's flags: success at temperature 1 over train and test together, then the Monte Carlo values' and
+    the fitted critic's explained variance, pooled and by position, each at most 1."""
+    printed = run_script("benchmarks/critic_ceiling.py", "--digits", "3", "--train", "16", "--test", "16",
+                         "--mc-responses", "2", "--continuations", "2", "--epochs", "2", "--batch", "8",
+                         "--lrs", "1e-3")
+    success, train, test = map(float, re.search(
+        rf"success at temperature 1 {NUMBER} \(train {NUMBER}, test {NUMBER}\)", printed).groups())
+    assert abs(success - (train + test) / 2) < 2e-3  # equal halves, each printed to 3 decimals
+    lines = [line for line in printed.splitlines() if " EV " in line]
+    assert len(lines) == 3 and lines[0].startswith("perfect (Monte Carlo, K=2, 2 responses, every 2nd state)")
+    assert lines[1].startswith("fit lr 0.001 epoch 1 (2 steps,")  # 16 training responses in batches of 8
+    assert lines[2].startswith("fit lr 0.001 epoch 2 (4 steps,")
+    for line in lines:
+        pooled = float(re.search(rf"EV {NUMBER}", line).group(1))
+        by_position = [float(v) for v in re.findall(rf"\) {NUMBER}", line.split("by position:")[1])]
+        assert pooled <= 1 and len(by_position) == 6 and max(by_position) <= 1, line
