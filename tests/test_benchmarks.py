@@ -1,4 +1,4 @@
-"""The benchmark scripts the README sends a reader to, run small with the flags it shows: benchmarks/trl_compare.py's
+"""The benchmark scripts the README sends a reader to, each run at a small size: benchmarks/trl_compare.py's
 project side (TRL's side needs trl, an optional install, and is not run here) and benchmarks/critic_ceiling.py. Their
 full runs and figures are in the README and docs/scaling.md."""
 import json
@@ -31,7 +31,7 @@ def test_trl_compare_times_whole_steps_and_their_phases():
 
 
 def test_critic_ceiling_reports_the_monte_carlo_and_fitted_critics():
-    """The README's flags: success at temperature 1 over train and test together, then the Monte Carlo values' and
+    """Shrunk by its size flags: success at temperature 1 over train and test together, then the Monte Carlo values' and
     the fitted critic's explained variance, pooled and by position, each at most 1."""
     printed = run_script("benchmarks/critic_ceiling.py", "--digits", "3", "--train", "16", "--test", "16",
                          "--mc-responses", "2", "--continuations", "2", "--epochs", "2", "--batch", "8",
