@@ -11,11 +11,12 @@ at the limit), group-normalized advantages, PPO-clip 0.2, token-mean loss, no re
 1e-4 (constant), weight decay 0.01, grad clip 1.0, two optimizer steps of 64 samples per rollout, no gradient
 checkpointing, no dropout, one torch thread per process.
 What is not identical: the prompts each side draws (both from the built-in training set); the micro-batches (the
-project: its CPU preset's 16 sequences per forward/backward, gradients accumulated to 64; TRL: 64 per forward, its
-per_device_train_batch_size, or --trl-micro-batch); the old log-probs (the project reuses its engine's, equal up to
-float noise; TRL recomputes them); TRL's logging (every 10 steps, its default; the project logs every step); and
-what each computes beyond the loss (TRL: entropies, clip ratios; the project: clip fraction, approx KL, rollout
-metrics).
+project: up to 1,600 padded tokens per forward/backward, `--micro-batch-tokens 1600`, about 30 of these rows,
+gradients accumulated to 64; its CPU preset's 16 rows ran about 10% slower here; TRL: 64 per forward, its
+per_device_train_batch_size, or --trl-micro-batch: 16 and 32 were no faster); the old log-probs (the project reuses
+its engine's, equal up to float noise; TRL recomputes them); TRL's logging (every 10 steps, its default; the
+project logs every step); and what each computes beyond the loss (TRL: entropies, clip ratios; the project: clip
+fraction, approx KL, rollout metrics).
 
 Each run is its own process; a pair runs one of each, the order alternating between pairs. The step time of a run
 is the median over its rollouts after `--warmup` (one rollout and its two optimizer steps; TRL: the time between
@@ -138,8 +139,9 @@ def main():
     parser.add_argument("--warmup", type=int, default=3, help="rollouts dropped from the start of each run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trl-python", default=sys.executable, help="a python that imports trl (its own venv)")
-    parser.add_argument("--project-args", default="", help="extra grpo.py flags in one string, e.g. "
-                        "--project-args='--old-logprobs recompute'")
+    parser.add_argument("--project-args", default="--micro-batch-tokens 1600", help="extra grpo.py flags in one "
+                        "string (default: micro-batches of up to 1,600 padded tokens, about 30 of these rows, instead "
+                        "of the CPU preset's 16 rows); e.g. --project-args='--old-logprobs recompute'")
     parser.add_argument("--trl-micro-batch", type=int, default=64, help="TRL's per_device_train_batch_size (64: "
                         "one forward per optimizer step, as in the comparison; 16: gradient accumulation over 4)")
     parser.add_argument("--side", choices=["project", "trl"], help=argparse.SUPPRESS)
