@@ -12,11 +12,11 @@ at the limit), group-normalized advantages, PPO-clip 0.2, token-mean loss, no re
 checkpointing, no dropout, one torch thread per process.
 What is not identical: the prompts each side draws (both from the built-in training set); the micro-batches (the
 project: up to 1,600 padded tokens per forward/backward, `--micro-batch-tokens 1600`, about 30 of these rows,
-gradients accumulated to 64; its CPU preset's 16 rows ran about 10% slower here; TRL: 64 per forward, its
-per_device_train_batch_size, or --trl-micro-batch: 16 and 32 were no faster); the old log-probs (the project reuses
-its engine's, equal up to float noise; TRL recomputes them); TRL's logging (every 10 steps, its default; the
-project logs every step); and what each computes beyond the loss (TRL: entropies, clip ratios; the project: clip
-fraction, approx KL, rollout metrics).
+gradients accumulated to 64; with its CPU preset's 16 rows the update took about 10% longer here; TRL: 64 per
+forward, its per_device_train_batch_size, or --trl-micro-batch: 16 and 32 were not measurably faster); the old
+log-probs (the project reuses its engine's, equal up to float noise; TRL recomputes them); TRL's logging (every 10
+steps, its default; the project logs every step); and what each computes beyond the loss (TRL: entropies, clip
+ratios; the project: clip fraction, approx KL, rollout metrics).
 
 Each run is its own process; a pair runs one of each, the order alternating between pairs. The step time of a run
 is the median over its rollouts after `--warmup` (one rollout and its two optimizer steps; TRL: the time between
