@@ -141,7 +141,8 @@ def main():
     parser.add_argument("--trl-python", default=sys.executable, help="a python that imports trl (its own venv)")
     parser.add_argument("--project-args", default="--micro-batch-tokens 1600", help="extra grpo.py flags in one "
                         "string (default: micro-batches of up to 1,600 padded tokens, about 30 of these rows, instead "
-                        "of the CPU preset's 16 rows); e.g. --project-args='--old-logprobs recompute'")
+                        "of the CPU preset's 16 rows; a value replaces it: '' for the preset), e.g. "
+                        "--project-args='--micro-batch-tokens 1600 --old-logprobs recompute'")
     parser.add_argument("--trl-micro-batch", type=int, default=64, help="TRL's per_device_train_batch_size (64: "
                         "one forward per optimizer step, as in the comparison; 16: gradient accumulation over 4)")
     parser.add_argument("--side", choices=["project", "trl"], help=argparse.SUPPRESS)
