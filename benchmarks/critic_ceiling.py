@@ -4,6 +4,7 @@ construction learns offline (issue 17: PPO's logged explained_variance stays nea
     OMP_NUM_THREADS=1 python benchmarks/critic_ceiling.py                      # the shipped tiny model
     OMP_NUM_THREADS=1 python benchmarks/critic_ceiling.py --policy runs/<run>/checkpoints/step_000060/policy \
         --critic runs/<run>/checkpoints/step_000060/critic                    # a trained policy and its critic
+    OMP_NUM_THREADS=1 python benchmarks/critic_ceiling.py --digits 3-7        # problems of 3 to 7 digits, mixed
 
 Samples --train + --test responses of the policy at temperature 1 to distinct training problems of the task
 (rollouts' settings: 96 tokens, reward R = common.score at the last token), then reports explained variance
@@ -23,11 +24,11 @@ import os
 import sys
 import time
 
-import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
+import infra.data  # noqa: E402
 import infra.probes  # noqa: E402
 import infra.tiny  # noqa: E402
 from infra.engine import HFGenerator  # noqa: E402
@@ -75,7 +76,7 @@ def main():
     parser.add_argument("--policy", default="tiny")
     parser.add_argument("--critic", default="", help="a critic checkpoint to evaluate on the test responses")
     parser.add_argument("--critic-base", default="tiny", help="the backbone of the fitted critics")
-    parser.add_argument("--digits", type=int, default=infra.tiny.DIGITS)
+    parser.add_argument("--digits", default=str(infra.tiny.DIGITS), help="N, or A-B: each problem's digits from A to B")
     parser.add_argument("--train", type=int, default=1024)
     parser.add_argument("--test", type=int, default=1024)
     parser.add_argument("--mc-responses", type=int, default=64, help="0: skip the Monte Carlo values")
@@ -89,7 +90,11 @@ def main():
     torch.manual_seed(args.seed)
     policy, tokenizer = common.load_model(args.policy, "auto", "cpu")
     generator = HFGenerator(policy, tokenizer, batch_size=512)
-    rows = infra.tiny.builtin_rows("train", args.train + args.test, 1000 + args.seed, args.digits)
+    try:
+        digits = infra.data.builtin_digits(f"builtin:{args.digits}", "--digits")
+    except infra.UserError as error:
+        parser.error(str(error))
+    rows = infra.tiny.builtin_rows("train", args.train + args.test, 1000 + args.seed, digits)
     prompts = [common.prompt_ids(tokenizer, row["question"]) for row in rows]
     completions = generator.generate(prompts, 1, MAX_TOKENS, 1.0, 1.0)
     rewards = torch.tensor([common.score(c.text, rows[c.prompt_index]) if c.finish_reason == "stop" else 0.0

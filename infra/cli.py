@@ -20,7 +20,8 @@ from infra.tiny import is_tiny_model
 class RunArgs:
     """Flags of every trainer: what to train and evaluate on, where the run goes, how it runs."""
     model: str = "tiny"  # policy: `tiny` (built-in CPU demo), a hub name (Qwen3-4B-Base) or a local path
-    # training problems: `builtin` (6-digit additions; `builtin:N`, N digits), a .jsonl/.json/.parquet file or a hub id
+    # training problems: `builtin` (6-digit additions; `builtin:N`, N digits; `builtin:A-B`, A to B digits),
+    # a .jsonl/.json/.parquet file or a hub id
     dataset: str = "builtin"
     # dotted path of --dataset's prompt, e.g. extra_info.question (empty: question, problem or prompt)
     question_field: str = ""
@@ -29,7 +30,7 @@ class RunArgs:
     # --dataset's reward: the last \boxed{} (math-verify) or the last `Answer:` line (DAPO's rule); auto: what each
     # prompt asks for. Evaluation sets always take auto.
     answer_format: Literal["auto", "boxed", "answer-line"] = "auto"
-    # held-out sets: .jsonl/.json/.parquet files, hub ids or `builtin` (with --dataset's digits when it is builtin:N)
+    # held-out sets: .jsonl/.json/.parquet files, hub ids or `builtin` (--dataset's digits when it is builtin:N or A-B)
     eval_datasets: tuple[str, ...] = ("builtin",)
     eval_only: bool = False  # evaluate --model (a hub model or a checkpoint's policy/ directory) and exit
     steps: int = 500  # rollout iterations

@@ -188,11 +188,14 @@ def _read_file_rows(spec, flag):
 
 
 def builtin_digits(spec, flag="--dataset"):
-    """The digits of `builtin` (the default, infra.tiny.DIGITS) or `builtin:N`."""
-    digits = spec.partition(":")[2] if ":" in spec else str(DIGITS)
-    if not digits.isdigit() or not 1 <= int(digits) <= 12:
-        raise UserError(f"{flag} {spec!r}: the built-in task is `builtin` or `builtin:N`, N digits from 1 to 12")
-    return int(digits)
+    """The digits of `builtin` (the default, infra.tiny.DIGITS), `builtin:N` (an int) or `builtin:A-B` ((A, B))."""
+    text = spec.partition(":")[2] if ":" in spec else str(DIGITS)
+    bounds = text.split("-")
+    valid = len(bounds) <= 2 and all(b.isdigit() and 1 <= int(b) <= 12 for b in bounds)
+    if not valid or int(bounds[0]) > int(bounds[-1]):
+        raise UserError(f"{flag} {spec!r}: the built-in task is `builtin`, `builtin:N` (N digits from 1 to 12) or "
+                        f"`builtin:A-B` (each problem's digits drawn from A to B, A <= B)")
+    return int(bounds[0]) if len(bounds) == 1 else (int(bounds[0]), int(bounds[1]))
 
 
 def load_rows(spec, split="train", n_builtin=None, seed=0, skip_bad_rows=False, flag="--dataset", question_field="",

@@ -1,8 +1,8 @@
-"""The built-in task (N-digit addition worked digit by digit, answer in \\boxed{}; N = 6 unless `builtin:N`) and the
-built-in tiny model (a 2-layer Qwen3 with a character tokenizer, supervised on that task with a carry habit), shipped
-in models/tiny/ as a Hugging Face checkpoint that loads through from_pretrained like any other model.
-`python -m infra.tiny [DIR]` builds a new one (1,200 supervised steps: 20 minutes on a busy CPU core) and prints its
-accuracy.
+"""The built-in task (N-digit addition worked digit by digit, answer in \\boxed{}; N = 6 unless `builtin:N`, or
+each problem's N drawn from A to B with `builtin:A-B`) and the built-in tiny model (a 2-layer Qwen3 with a character
+tokenizer, supervised on that task with a carry habit), shipped in models/tiny/ as a Hugging Face checkpoint that
+loads through from_pretrained like any other model. `python -m infra.tiny [DIR]` builds a new one (1,200 supervised
+steps: 20 minutes on a busy CPU core) and prints its accuracy.
 """
 import json
 import os
@@ -68,6 +68,10 @@ def carry_habit(rng):
 
 
 def builtin_rows(split, n, seed, digits=DIGITS):
+    """n problems of `digits` digits, or of (low, high): each problem's digits drawn uniformly from low..high."""
+    if isinstance(digits, tuple):
+        rng = random.Random(f"{split}-{seed}-{digits[0]}-{digits[1]}")
+        return [addition_problem(rng, split, rng.randint(*digits)) for _ in range(n)]
     rng = random.Random(f"{split}-{seed}" if digits == 3 else f"{split}-{seed}-{digits}")
     return [addition_problem(rng, split, digits) for _ in range(n)]
 
@@ -137,7 +141,8 @@ def greedy_accuracy(path, digits=DIGITS, problems=256):
     model, tokenizer = common.load_model(path, "auto", "cpu")
     rows = builtin_rows("test", problems, 0, digits)
     prompts = [common.prompt_ids(tokenizer, row["question"]) for row in rows]
-    completions = HFGenerator(model, tokenizer).generate(prompts, 1, 16 * digits, temperature=0.0)
+    longest = digits[1] if isinstance(digits, tuple) else digits
+    completions = HFGenerator(model, tokenizer).generate(prompts, 1, 16 * longest, temperature=0.0)
     return sum(common.score(c.text, rows[c.prompt_index]) for c in completions) / len(rows)
 
 
