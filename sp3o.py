@@ -40,6 +40,7 @@ class Args(infra.cli.RunArgs):
     adam_betas: tuple[float, ...] = (0.9, 0.98)  # AdamW betas (published: 0.9, 0.98, SP3O's PPO baseline)
     mini_batches: int = 2  # optimizer steps per rollout per epoch (published: 2)
     epochs: int = 1  # passes over each rollout
+    critic_epochs: int = 0  # critic passes over each rollout (0: --epochs, as published; verl's critic.ppo_epochs)
     grad_clip: float = 1.0  # max global gradient norm (published: 1.0)
     truncated_is: Literal["auto", "on", "off"] = "auto"  # correct the engine/trainer mismatch (auto: on with vLLM)
     tis_cap: float = 2.0  # cap of the truncated importance weights (published: 2.0, SP3O's released setting)
@@ -255,9 +256,12 @@ def main():
             token_advantages = token_advantages * truncated_importance_weights(
                 old_logprobs, common.engine_logprobs(completions, mask.shape[1]).to(run.device), mask, args.tis_cap)
         generator.sleep()  # vLLM frees its GPU memory for the update (HF: nothing to free)
-        # 4. Update: `mini_batches` optimizer steps per epoch, gradients accumulated over micro-batches.
+        # 4. Update: `mini_batches` optimizer steps per epoch, gradients accumulated over micro-batches; the actor
+        # takes `epochs` passes (none in the warm-up), the critic `critic_epochs`.
         update_start = time.time()
-        for _ in range(args.epochs):
+        critic_epochs = args.critic_epochs or args.epochs
+        for epoch in range(max(args.epochs, critic_epochs)):
+            train_actor, train_critic = epoch < args.epochs and not actor_frozen, epoch < critic_epochs
             order = torch.randperm(len(completions)).tolist()
             for mini_batch in common.chunks(order, len(order) // args.mini_batches):
                 counts = dict(num_sequences=len(mini_batch), num_tokens=infra.dist.rank_mean(mask[mini_batch].sum()),
@@ -268,25 +272,26 @@ def main():
                                                   args.micro_batch_tokens):
                     micro_batch = batch.select(micro)
                     micro_mask, width = micro_batch.response_mask, micro_batch.response_width
-                    logprobs = common.response_logprobs(policy, micro_batch, args.temperature)
-                    loss, clip_fraction = policy_loss(
-                        logprobs, old_logprobs[micro, :width], token_advantages[micro, :width], micro_mask,
-                        args.clip_low, args.clip_high, args.aggregation, **counts)
-                    if reference is not None:
-                        kl = k3_kl(logprobs, reference_logprobs[micro, :width])
-                        loss = loss + args.kl_coef * aggregate(kl, micro_mask, args.aggregation, **counts)
-                    if not actor_frozen:
+                    if train_critic:
+                        values = common.critic_outputs(critic, micro_batch)
+                        critic_loss = value_loss(values, old_values[micro, :width], returns[micro, :width],
+                                                 critic_weights[micro, :width], args.value_clip,
+                                                 num_tokens=critic_tokens)
+                        critic_loss.backward()
+                        mini_batch_value_loss += critic_loss.item()
+                    if train_actor:
+                        logprobs = common.response_logprobs(policy, micro_batch, args.temperature)
+                        loss, clip_fraction = policy_loss(
+                            logprobs, old_logprobs[micro, :width], token_advantages[micro, :width], micro_mask,
+                            args.clip_low, args.clip_high, args.aggregation, **counts)
+                        if reference is not None:
+                            kl = k3_kl(logprobs, reference_logprobs[micro, :width])
+                            loss = loss + args.kl_coef * aggregate(kl, micro_mask, args.aggregation, **counts)
                         loss.backward()
-                    values = common.critic_outputs(critic, micro_batch)
-                    critic_loss = value_loss(values, old_values[micro, :width], returns[micro, :width],
-                                             critic_weights[micro, :width], args.value_clip,
-                                             num_tokens=critic_tokens)
-                    critic_loss.backward()
-                    mini_batch_loss += loss.item()
-                    mini_batch_value_loss += critic_loss.item()
-                    history["clip_fraction"].append(clip_fraction.item())
-                    kl = k3_kl(old_logprobs[micro, :width], logprobs.detach())
-                    history["approx_kl"].append(kl[micro_mask].mean().item())
+                        mini_batch_loss += loss.item()
+                        history["clip_fraction"].append(clip_fraction.item())
+                        kl = k3_kl(old_logprobs[micro, :width], logprobs.detach())
+                        history["approx_kl"].append(kl[micro_mask].mean().item())
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
                 critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip)
                 finite = run.update_ok(step, grad_norm, critic_grad_norm)  # too many skips in a row: save, stop
@@ -296,16 +301,16 @@ def main():
                 history["skipped_updates"].append(float(not finite))
                 optimizer.zero_grad(set_to_none=True)
                 critic_optimizer.zero_grad(set_to_none=True)
-                history["policy_loss"].append(mini_batch_loss)
-                history["grad_norm"].append(grad_norm.item())
-                history["value_loss"].append(mini_batch_value_loss)
-                history["critic_grad_norm"].append(critic_grad_norm.item())
+                if train_actor:
+                    history["policy_loss"].append(mini_batch_loss)
+                    history["grad_norm"].append(grad_norm.item())
+                if train_critic:
+                    history["value_loss"].append(mini_batch_value_loss)
+                    history["critic_grad_norm"].append(critic_grad_norm.item())
         generator.sync_weights(policy)
         update_seconds = time.time() - update_start
         # 5. Log; evaluate after the last update; checkpoint.
         response_tokens = int(mask.sum())
-        for key in ("policy_loss", "grad_norm", "clip_fraction", "approx_kl") if actor_frozen else ():
-            history.pop(key, None)  # critic warm-up: the actor's loss was not applied, so it is not logged
         metrics.update({key: sum(values) / len(values) for key, values in history.items()}, actor_frozen=actor_frozen)
         metrics.update(infra.evaluate.rollout_metrics(completions, rewards, old_logprobs, mask),
                        rollout_s=rollout_seconds, update_s=update_seconds,

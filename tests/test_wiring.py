@@ -102,3 +102,19 @@ def test_old_logprobs_are_the_engines_where_exact_else_recomputed(step_zero, tra
     assert 0.0 < recomputed["logprob_gap_max"] < 1e-4
     if "policy_loss" in auto:  # the actor's loss is logged once a critic warm-up is over
         assert auto["policy_loss"] == pytest.approx(recomputed["policy_loss"], abs=1e-5)
+
+
+@pytest.mark.parametrize("trainer", ["ppo", "sp3o", "tppo", "sppo"])
+def test_critic_epochs_add_passes_of_the_critic_alone(step_zero, trainer):
+    # --critic-epochs 3 (one mini-batch): the actor's one pass is the default run's (same loss, clip fraction and
+    # gradient norm), the logged value loss is the mean over 3 critic passes, of which only the first is the default's.
+    # --epochs 2 --critic-epochs 1: the mirror image. explained_variance is computed before any update: always equal.
+    actor, critic = ("policy_loss", "clip_fraction", "grad_norm"), ("value_loss", "critic_grad_norm")
+    default = step_zero(trainer, "--critic-warmup", "0")
+    more_critic = step_zero(trainer, "--critic-warmup", "0", "--critic-epochs", "3")
+    more_actor = step_zero(trainer, "--critic-warmup", "0", "--epochs", "2", "--critic-epochs", "1")
+    assert default["reward"] == more_critic["reward"] == more_actor["reward"]  # the same rollout
+    assert same(default, more_critic, actor + ("explained_variance",))
+    assert all(default[key] != pytest.approx(more_critic[key], rel=1e-3) for key in critic)
+    assert same(default, more_actor, critic + ("explained_variance",))
+    assert all(default[key] != pytest.approx(more_actor[key], rel=1e-3) for key in actor if key != "clip_fraction")
