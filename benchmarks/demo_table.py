@@ -6,10 +6,12 @@ Each run is `python <method>.py --seed S --run-name demo_<method>_s<S>` with the
 script does not know go to every run, e.g. `--dataset builtin:3`). Per method, mean and 95% confidence interval
 over seeds (Student t) of: held-out greedy accuracy before any update and after the last step; the gain; the area
 under the accuracy curve (mean over the evaluations); the steps to reach 80% of the run's own final gain (the first
-evaluation at or above first + 0.8 * gain); the critic's explained variance over the middle third of the run; the
-probe's sign accuracy (ppo, sp3o, tppo with --probe-every); the wall time. Then, for each pair of methods, whether
-their accuracy gain and area under the curve differ beyond seed noise (Welch's t, |t| above the 95% critical value).
-The learning curves go to <output-dir>/curves.png (infra.plot). A failed run prints the end of its output.
+evaluation at or above first + 0.8 * gain); the critic's explained variance over the middle third of the run and the
+first step at which it reaches 0.2 (per seed); the probe's sign accuracy (ppo, sp3o, tppo with --probe-every); the
+wall time. Then, for each pair of methods, whether their accuracy gain and area under the curve differ beyond seed
+noise (Welch's t, |t| above the 95% critical value). The learning curves go to <output-dir>/curves.png (infra.plot).
+A failed run prints the end of its output. --from-results prints the tables again without running, each run's
+numbers recomputed from its metrics.jsonl where the run folder is there.
 """
 import argparse
 import concurrent.futures
@@ -24,6 +26,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBED = ("ppo", "sp3o", "tppo")  # the trainers with a per-token critic and --probe-every
+EV_TARGET = 0.2  # the critic's explained variance that counts as learning something
 T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23}  # two-sided, by df
 
 
@@ -52,8 +55,10 @@ def summarize(records):
     middle = [r["explained_variance"] for r in records[len(records) // 3: 2 * len(records) // 3 + 1]
               if "explained_variance" in r]
     signs = [r["probe/sign_acc_tau0"] for r in records if "probe/sign_acc_tau0" in r]
+    ev_reaches = next((r["step"] for r in records if r.get("explained_variance", -1) >= EV_TARGET), None)
     return {"first": first, "last": last, "gain": last - first, "auc": sum(a for _, a in evals) / len(evals),
             "steps_to_80": steps_to_80, "ev_middle": sum(middle) / len(middle) if middle else None,
+            "ev_reaches": ev_reaches,
             "sign_accuracy": sum(signs) / len(signs) if signs else None, "curve": evals, "steps": len(records),
             "mc_tokens": sum(r.get("mc_tokens", 0) for r in records)}
 
@@ -96,6 +101,11 @@ def main():
         with open(os.path.join(ROOT, args.results)) as handle:
             latest = {(r["method"], r["seed"]): r for r in map(json.loads, handle)}
         results = [r for r in latest.values() if r["method"] in args.methods]
+        for result in results:  # the numbers again from each run's records, as summarize() computes them now
+            metrics = os.path.join(ROOT, args.output_dir, f"demo_{result['method']}_s{result['seed']}", "metrics.jsonl")
+            if os.path.exists(metrics):
+                with open(metrics) as handle:
+                    result.update(summarize([json.loads(line) for line in handle]))
         args.seeds = sorted({r["seed"] for r in results})
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         jobs = [pool.submit(run, method, seed, args.output_dir, extra, args.probe_every)
@@ -114,12 +124,14 @@ def main():
     by_method = {m: sorted((r for r in results if r["method"] == m), key=lambda r: r["seed"]) for m in args.methods}
     print("mean ± 95% interval over the seeds; accuracy and gain in points")
     print("| method | seeds | first | last | gain | area under curve | steps to 80% of gain | explained variance "
-          "(middle) | sign accuracy | wall time |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          f"(middle) | explained variance >= {EV_TARGET} from step | sign accuracy | wall time |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for method, rows in by_method.items():
         column = lambda key, scale=1.0, digits=1: interval([r[key] for r in rows], scale, digits)  # noqa: E731
+        reaches = ["-" if r.get("ev_reaches") is None else str(r["ev_reaches"]) for r in rows]  # per seed; -: never
+        reaches = ", ".join(reaches) if rows[0].get("ev_middle") is not None else "-"
         print(f"| {method} | {len(rows)} | {column('first', 100)} | {column('last', 100)} | {column('gain', 100)} | "
-              f"{column('auc', 100)} | {column('steps_to_80', 1, 0)} | {column('ev_middle', 1, 2)} | "
+              f"{column('auc', 100)} | {column('steps_to_80', 1, 0)} | {column('ev_middle', 1, 2)} | {reaches} | "
               f"{column('sign_accuracy', 1, 2)} | {column('seconds', 1, 0)} s |")
     for key in ("gain", "auc"):
         pairs = [(a, b) for a, b in itertools.combinations(args.methods, 2)

@@ -66,10 +66,11 @@ class RunArgs:
     wandb_project: str = ""  # also log to this Weights & Biases project
 
 
-# The CPU demo's run flags (each trainer's TINY_PRESET adds its own batch sizes and learning rates): responses of up
-# to 96 tokens (a 6-digit addition takes about 67), greedy evaluation on 256 held-out problems every 10 steps, no
-# intermediate checkpoints; micro-batches of 16 (the update ran about 20% faster than with 64 on one CPU thread).
-RUN_TINY_PRESET = dict(steps=60, micro_batch_size=16, gradient_checkpointing=False, eval_every=10, eval_problems=256,
+# The CPU demo's run flags (each trainer's TINY_PRESET adds its learning rates; rollouts keep the published size):
+# 30 steps, responses of up to 96 tokens (a 6-digit addition takes about 67), greedy evaluation on 256 held-out
+# problems every 10 steps, no intermediate checkpoints; micro-batches of 16 (the update ran about 20% faster than
+# with 64 on one CPU thread).
+RUN_TINY_PRESET = dict(steps=30, micro_batch_size=16, gradient_checkpointing=False, eval_every=10, eval_problems=256,
                        eval_n=1, eval_temperature=0.0, eval_top_p=1.0, max_response_tokens=96, eval_max_tokens=96,
                        save_every=0)
 

@@ -321,13 +321,13 @@ def test_generated_eos_gets_gradient_and_padding_none(tiny, same_pad_and_eos):
 # ----------------------------------------------------------------------------------------------
 def test_check_args_refuses_uneven_splits():
     args = infra.cli.parse_args(grpo.Args, grpo.TINY_PRESET, [])
-    grpo.check_args(args)  # the demo settings: 16 x 8 = 128 samples, 2 mini-batches of one micro-batch of 64
+    grpo.check_args(args)  # the demo settings: 64 x 8 = 512 samples, 2 mini-batches of 16 micro-batches of 16
     with pytest.raises(infra.UserError, match="samples-per-prompt"):
         grpo.check_args(dataclasses.replace(args, samples_per_prompt=1))
     with pytest.raises(infra.UserError, match="mini-batches"):
-        grpo.check_args(dataclasses.replace(args, mini_batches=3))  # 128 / 3
+        grpo.check_args(dataclasses.replace(args, mini_batches=3))  # 512 / 3
     with pytest.raises(infra.UserError, match="micro-batches"):
-        grpo.check_args(dataclasses.replace(args, micro_batch_size=48))  # 64 / 48
+        grpo.check_args(dataclasses.replace(args, micro_batch_size=48))  # 256 / 48
 
 
 def test_check_args_accepts_a_micro_batch_larger_than_the_mini_batch():
@@ -339,7 +339,8 @@ def test_check_args_accepts_a_micro_batch_larger_than_the_mini_batch():
 
 def test_grpo_args_tiny_preset_and_published_defaults():
     tiny = infra.cli.parse_args(grpo.Args, grpo.TINY_PRESET, [])
-    assert (tiny.model, tiny.steps, tiny.lr, tiny.eval_n, tiny.eval_temperature) == ("tiny", 60, 3e-5, 1, 0.0)
+    assert (tiny.model, tiny.steps, tiny.lr, tiny.eval_n, tiny.eval_temperature) == ("tiny", 30, 3e-5, 1, 0.0)
+    assert (tiny.prompts_per_step, tiny.samples_per_prompt, tiny.mini_batches) == (64, 8, 2)  # the published rollout
     real = infra.cli.parse_args(grpo.Args, grpo.TINY_PRESET, ["--model", "Qwen3-4B-Base"])
     # published settings (METHODS.md): 64 prompts x 8 samples, lr 1e-6, clip 0.2/0.2, 2 steps per rollout, 8192
     assert (real.steps, real.prompts_per_step, real.samples_per_prompt, real.lr) == (500, 64, 8, 1e-6)

@@ -137,7 +137,9 @@ def test_published_defaults_are_sp3os_ppo_preset():
     args = infra.cli.parse_args(ppo.Args, ppo.TINY_PRESET, ["--model", "Qwen3-4B-Base"])
     assert (args.whiten_advantages, args.critic_warmup, args.aggregation) == (False, 20, "seq-mean")
     assert (args.lr, args.critic_lr, args.weight_decay, args.adam_betas) == (1e-6, 4e-6, 0.1, (0.9, 0.98))
-    assert infra.cli.parse_args(ppo.Args, ppo.TINY_PRESET, []).critic_warmup == 5  # the 60-step demo
+    tiny = infra.cli.parse_args(ppo.Args, ppo.TINY_PRESET, [])
+    assert (tiny.critic_warmup, tiny.critic_epochs, tiny.epochs, tiny.steps) == (5, 4, 1, 30)  # the 30-step demo
+    assert args.critic_epochs == 0  # published: the critic's passes are the actor's (--epochs 1)
     verl = infra.cli.parse_args(ppo.Args, ppo.TINY_PRESET, ["--whiten-advantages", "--aggregation", "token-mean",
                                                             "--critic-warmup", "0"])
     assert (verl.whiten_advantages, verl.aggregation, verl.critic_warmup) == (True, "token-mean", 0)

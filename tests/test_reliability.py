@@ -475,7 +475,7 @@ def test_resume_takes_the_saved_settings_and_records_changes(monkeypatch, capsys
     assert record["changed"] == {"steps": [2, 3]} and record["step"] == 2
     assert record["checkpoint"] == os.path.join(run_dir, "checkpoints", "step_000002")
     saved = json.loads(original)
-    assert saved["prompts_per_step"] == record["config"]["prompts_per_step"] == 4  # the tiny preset has 16
+    assert saved["prompts_per_step"] == record["config"]["prompts_per_step"] == 4  # the tiny preset has 64
     assert saved["eval_problems"] == record["config"]["eval_problems"] == 4  # the tiny preset has 256
     assert sorted(records(run_dir)) == [0, 1, 2]
     code, out, err = main_of(monkeypatch, capsys, "--resume", run_dir)  # 3 steps now: finished

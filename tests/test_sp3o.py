@@ -155,7 +155,8 @@ def test_published_defaults_and_tiny_warmup():
     assert (args.aggregation, args.truncated_is, args.tis_cap) == ("seq-mean", "auto", 2.0)  # per sample, then samples
     assert (args.prompts_per_step, args.samples_per_prompt, args.mini_batches,
             args.max_response_tokens) == (64, 8, 2, 8192)
-    assert infra.cli.parse_args(sp3o.Args, sp3o.TINY_PRESET, []).critic_warmup == 5
+    tiny = infra.cli.parse_args(sp3o.Args, sp3o.TINY_PRESET, [])
+    assert (tiny.critic_warmup, tiny.critic_epochs, args.critic_epochs) == (5, 4, 0)
     ablation = infra.cli.parse_args(sp3o.Args, sp3o.TINY_PRESET,
                                     ["--anchor-ratios", "0.2", "0.5", "0.8", "--tail-ratio", "0"])
     assert (ablation.anchor_ratios, ablation.tail_ratio) == ((0.2, 0.5, 0.8), 0.0)

@@ -113,6 +113,7 @@ def test_lambda_defaults():
     args = infra.cli.parse_args(tppo.Args, tppo.TINY_PRESET, ["--model", "Qwen3-8B-Base"])
     assert (args.lam_actor, args.lam_critic, args.critic_head, args.lr) == (0.95, 1.0, "shared", 1e-6)
     assert infra.cli.parse_args(tppo.Args, tppo.TINY_PRESET, ["--lam-actor", "1"]).lam_actor == 1.0
+    assert (args.critic_epochs, infra.cli.parse_args(tppo.Args, tppo.TINY_PRESET, []).critic_epochs) == (0, 4)
 
 
 @pytest.mark.parametrize("head", ["shared", "separate"])
