@@ -66,8 +66,8 @@ class Args(infra.cli.RunArgs):
     kl_coef: float = 0.0  # beta of the k3 KL to a frozen reference (0: no reference model is loaded)
 
 
-# The CPU demo: the published rollout of 64 prompts x 8, a higher learning rate (at 3e-5 GRPO takes about 25 of 30
-# steps to 80% of its gain), greedy evaluation on 256 held-out problems.
+# The CPU demo: rollouts of the published size, a higher learning rate (at 3e-5 GRPO takes 20-25 of 30 steps to
+# 80% of its gain), greedy evaluation on 256 held-out problems.
 TINY_PRESET = dict(lr=3e-5, critic_lr=5e-4, critic_epochs=4)  # published: 1 critic pass
 MAX_LOG_RATIO = 20.0  # log-ratios are clamped to +-this before exp, in the policy loss and the KL (verl: 20)
 
