@@ -128,10 +128,10 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for method, rows in by_method.items():
         column = lambda key, scale=1.0, digits=1: interval([r[key] for r in rows], scale, digits)  # noqa: E731
-        reaches = ["-" if r.get("ev_reaches") is None else str(r["ev_reaches"]) for r in rows]  # per seed; -: never
-        reaches = ", ".join(reaches) if rows[0].get("ev_middle") is not None else "-"
+        reaches = ", ".join("-" if r.get("ev_reaches") is None else str(r["ev_reaches"]) for r in rows)  # -: never
         print(f"| {method} | {len(rows)} | {column('first', 100)} | {column('last', 100)} | {column('gain', 100)} | "
-              f"{column('auc', 100)} | {column('steps_to_80', 1, 0)} | {column('ev_middle', 1, 2)} | {reaches} | "
+              f"{column('auc', 100)} | {column('steps_to_80', 1, 0)} | {column('ev_middle', 1, 2)} | "
+              f"{reaches if rows[0]['ev_middle'] is not None else '-'} | "
               f"{column('sign_accuracy', 1, 2)} | {column('seconds', 1, 0)} s |")
     for key in ("gain", "auc"):
         pairs = [(a, b) for a, b in itertools.combinations(args.methods, 2)

@@ -49,17 +49,15 @@ def test_critic_ceiling_reports_the_monte_carlo_and_fitted_critics():
         assert pooled <= 1 and len(by_position) == 6 and max(by_position) <= 1, line
 
 
-def test_demo_table_summarizes_a_run_from_its_records():
+def test_demo_table_summarizes_a_run_from_its_records(monkeypatch):
     """benchmarks/demo_table.summarize on hand-written records: 80% of a 0.1 -> 0.6 gain is 0.5, first met at step 10;
     the middle third of 6 records is records 2-4; explained variance first reaches 0.2 at step 11 (0.19: no)."""
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
     import demo_table
-    evs = [-1.0, 0.1, 0.19, 0.2, 0.4, 0.0]
-    records = [dict(step=step, explained_variance=ev) for step, ev in enumerate(evs)]
-    for record, accuracy in zip(records[::2], (0.1, 0.5, 0.6)):
+    steps, evs = [0, 1, 10, 11, 20, 21], [-1.0, 0.1, 0.19, 0.2, 0.4, 0.0]
+    records = [dict(step=step, explained_variance=ev) for step, ev in zip(steps, evs)]
+    for record, accuracy in zip(records[::2], (0.1, 0.5, 0.6)):  # evaluations at steps 0, 10 and 20
         record["eval/accuracy"] = accuracy
-    records[2]["step"], records[4]["step"] = 10, 20  # evaluations at steps 0, 10 and 20
-    records[3]["step"], records[5]["step"] = 11, 21
     summary = demo_table.summarize(records)
     assert summary["steps_to_80"] == 10 and abs(summary["gain"] - 0.5) < 1e-12
     assert abs(summary["ev_middle"] - (0.19 + 0.2 + 0.4) / 3) < 1e-12 and summary["ev_reaches"] == 11

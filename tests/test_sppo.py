@@ -95,7 +95,7 @@ def test_published_defaults_of_the_released_7b_script():
     assert (args.prompts_per_step, args.samples_per_prompt, args.mini_batches, args.epochs) == (512, 1, 16, 1)
     assert (args.adam_betas, args.critic_warmup, args.aggregation) == ((0.9, 0.999), 0, "token-mean")
     assert (args.lr, args.critic_lr, args.temperature, args.weight_decay) == (1e-6, 1e-5, 0.6, 0.1)
-    tiny = infra.cli.parse_args(sppo.Args, sppo.TINY_PRESET, [])  # the demo: 512 x 1 too, 2 steps, 1 critic pass
+    tiny = infra.cli.parse_args(sppo.Args, sppo.TINY_PRESET, [])  # the demo: 512 x 1, 2 optimizer steps, 1 critic pass
     assert (tiny.prompts_per_step, tiny.mini_batches, tiny.critic_epochs, tiny.steps) == (512, 2, 0, 30)
 
 
