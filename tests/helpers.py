@@ -71,3 +71,49 @@ def killed_on_exit(*processes):
         for process in processes:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
+
+
+def check_turn_end_paths(generator, tokenizer, rows, max_tokens=64):
+    """With the Qwen-like fixture (tests/fixtures/qwen_like.py) and `generator` greedy: its model answers in its own
+    turn, closes it with <|im_end|>, then invents a next turn ending in a wrong \\boxed{0} before <|endoftext|>. Every
+    engine path, rollout (scored as the trainers score it), evaluation, Monte Carlo values and SPO-tree segments,
+    scores the answer of the turn itself: 1 exactly when the text before the first <|im_end|> of the run that stops
+    at <|endoftext|> alone (the reference) boxes a + b. Returns how many prompts that is."""
+    import common
+    import spo
+    from infra.evaluate import evaluate
+    turn_end, eos = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id
+    prompts = [common.prompt_ids(tokenizer, row["question"]) for row in rows]
+    stops, generator.stop_ids = generator.stop_ids, [eos]
+    try:
+        reference = generator.generate(prompts, 1, max_tokens, 0.0)
+    finally:
+        generator.stop_ids = stops
+    own = []
+    for completion, row in zip(reference, rows):  # the reference runs on past its turn into a wrong \boxed{0}
+        full = tokenizer.decode(completion.token_ids)
+        assert completion.token_ids[-1] == eos and "<|im_end|>\n<|im_start|>user" in full, full
+        assert common.score(completion.text, row) == 0.0 and common.extract_answer(full) == "0", full
+        own.append(float(common.extract_answer(full.split("<|im_end|>")[0]) == str(row["a"] + row["b"])))
+
+    completions = generator.generate(prompts, 1, max_tokens, 0.0)  # rollout
+    evaluation = evaluate(generator, tokenizer, {"b": rows}, 1, max_tokens, 0.0, 1.0)
+    states = [(prompt, []) for prompt in prompts] + [(prompt, ref.token_ids[:5]) for prompt, ref in
+                                                      zip(prompts, reference)]
+    values, _ = common.monte_carlo_values(generator, tokenizer, states, rows + rows, 1, max_tokens, 0.0)
+    tree = spo.grow_tree(generator, tokenizer, prompts, rows, 2, 1, 8, max_tokens, 0.0, 1.0)
+    leaves = [node for node, segment in enumerate(tree.segments) if segment and segment.finish_reason == "stop"]
+    scored = {"rollout": [common.score(c.text, rows[c.prompt_index]) if c.finish_reason == "stop" else 0.0
+                          for c in completions],  # as the trainers score it
+              "evaluation": evaluation["eval/b/avg@1"], "monte_carlo": values.tolist(),
+              "spo_tree": [(tree.prompt_index[node], tree.rewards[node]) for node in leaves]}
+    expected = {"rollout": own, "evaluation": sum(own) / len(own), "monte_carlo": own + own,
+                "spo_tree": list(enumerate(own))}  # one chain per prompt, ending in its second segment
+    assert scored == expected, f"scored {scored}, the turns' own answers {expected}"
+    for completion, ref in zip(completions, reference):  # the layout: the stop token ends token_ids and logprobs
+        cut = ref.token_ids.index(turn_end) + 1
+        assert completion.token_ids == ref.token_ids[:cut] and completion.finish_reason == "stop"
+        assert len(completion.logprobs) == cut and completion.text == tokenizer.decode(ref.token_ids[:cut],
+                                                                                       skip_special_tokens=True)
+    assert all(tree.segments[node].token_ids[-1] == turn_end for node in leaves)
+    return int(sum(own))
