@@ -1,7 +1,8 @@
-"""Helpers several test files share: reading a run's metrics, comparing two runs' records, and killing a run to
-resume it."""
+"""Helpers several test files share: reading a run's metrics, comparing two runs' records, killing a run to resume
+it, and the checks of the Qwen-like fixture's turn end (with HF generate and with vLLM)."""
 import contextlib
 import json
+import math
 import os
 import signal
 import time
@@ -117,3 +118,33 @@ def check_turn_end_paths(generator, tokenizer, rows, max_tokens=64):
                                                                                        skip_special_tokens=True)
     assert all(tree.segments[node].token_ids[-1] == turn_end for node in leaves)
     return int(sum(own))
+
+
+# Two steps of a trainer on the Qwen-like fixture (tests/test_qwen_like.py with HF generate, tests/test_vllm.py with
+# vLLM): greedy evaluation of 4 held-out problems at the start and the end.
+QWEN_LIKE_RUN = ["--dataset", "builtin:2", "--steps", "2", "--prompts-per-step", "2", "--max-response-tokens", "48",
+                 "--eval-every", "0", "--eval-problems", "4", "--eval-n", "1", "--eval-temperature", "0",
+                 "--eval-max-tokens", "48", "--save-every", "0", "--no-gradient-checkpointing", "--lr", "1e-6"]
+QWEN_LIKE_TRAINERS = {  # ppo: its probe's Monte Carlo values; spo: SPO-tree
+    "ppo": ["--samples-per-prompt", "2", "--micro-batch-size", "4", "--probe-every", "1", "--probe-prompts", "2",
+            "--probe-continuations", "2", "--critic-warmup", "1"],
+    "grpo": ["--samples-per-prompt", "2", "--micro-batch-size", "4"],
+    "sppo": ["--prompts-per-step", "4", "--mini-batches", "2", "--micro-batch-size", "2"],
+    "sp3o": ["--samples-per-prompt", "2", "--micro-batch-size", "4", "--critic-warmup", "1"],
+    "tppo": ["--samples-per-prompt", "2", "--micro-batch-size", "4"],
+    "spo": ["--mode", "tree", "--tree-prompts", "2", "--tree-depth", "2", "--tree-branching", "2",
+            "--tree-segment-tokens", "8", "--micro-batch-size", "4", "--mini-batches", "1"],
+}
+
+
+def check_qwen_like_run(run_dir, stdout):
+    """A 2-step run on the Qwen-like fixture: finite metrics, responses that end at their turn end (about 29 tokens;
+    running on to <|endoftext|> after the invented turn takes about 46), greedy evaluation scoring the turn's own
+    answer (the invented turn's \\boxed{0} would score 0), and the stops printed."""
+    steps = records(run_dir)
+    assert sorted(steps) == [0, 1]
+    for record in steps.values():
+        assert all(math.isfinite(value) for value in record.values()), record
+        assert record["truncated"] == 0.0 and record["response_length"] < 40, record
+    assert steps[0]["eval/accuracy"] > 0, steps[0]
+    assert "rollouts stop at <|endoftext|> (339), <|im_end|> (341)" in stdout.splitlines()

@@ -2,8 +2,6 @@
 stop at the chat template's turn end (a Base checkpoint's generation_config lists <|endoftext|> alone), a tokenizer
 without a pad token pads with its EOS and the embeddings keep their rows, and every trainer runs on it."""
 import importlib
-import json
-import math
 import sys
 
 import pytest
@@ -11,7 +9,7 @@ import pytest
 import common
 import infra.engine
 import infra.tiny
-from helpers import check_turn_end_paths
+from helpers import QWEN_LIKE_RUN, QWEN_LIKE_TRAINERS, check_qwen_like_run, check_turn_end_paths
 
 LLAMA3_TEMPLATE = ("{{- bos_token }}{%- for message in messages %}{{- '<|start_header_id|>' + message['role'] + "
                    "'<|end_header_id|>\\n\\n' + message['content'] + '<|eot_id|>' }}{%- endfor %}{%- if "
@@ -76,34 +74,11 @@ def test_every_engine_path_scores_the_turn_and_stops_at_its_end(qwen_like):
     assert check_turn_end_paths(infra.engine.HFGenerator(model, tokenizer), tokenizer, rows) >= 12  # 23 when built
 
 
-SMALL = ["--dataset", "builtin:2", "--steps", "2", "--prompts-per-step", "2", "--max-response-tokens", "48",
-         "--eval-every", "0", "--eval-problems", "4", "--eval-n", "1", "--eval-temperature", "0",
-         "--eval-max-tokens", "48", "--save-every", "0", "--no-gradient-checkpointing", "--lr", "1e-5"]
-TRAINER_FLAGS = {  # ppo: the probe's Monte Carlo values; spo: SPO-tree's segments
-    "ppo": ["--samples-per-prompt", "2", "--micro-batch-size", "4", "--probe-every", "1", "--probe-prompts", "2",
-            "--probe-continuations", "2", "--critic-warmup", "1"],
-    "grpo": ["--samples-per-prompt", "2", "--micro-batch-size", "4"],
-    "sppo": ["--prompts-per-step", "4", "--mini-batches", "2", "--micro-batch-size", "2"],
-    "sp3o": ["--samples-per-prompt", "2", "--micro-batch-size", "4", "--critic-warmup", "1"],
-    "tppo": ["--samples-per-prompt", "2", "--micro-batch-size", "4"],
-    "spo": ["--mode", "tree", "--tree-prompts", "2", "--tree-depth", "2", "--tree-branching", "2",
-            "--tree-segment-tokens", "8", "--micro-batch-size", "4", "--mini-batches", "1"],
-}
-
-
-@pytest.mark.parametrize("trainer", list(TRAINER_FLAGS))
+@pytest.mark.parametrize("trainer", list(QWEN_LIKE_TRAINERS))
 def test_every_trainer_runs_two_steps_on_the_qwen_like_model(trainer, qwen_like_path, tmp_path, monkeypatch,
                                                             capsys):
     module = importlib.import_module(trainer)
-    monkeypatch.setattr(sys, "argv", [f"{trainer}.py", "--model", qwen_like_path, *SMALL, *TRAINER_FLAGS[trainer],
-                                      "--output-dir", str(tmp_path), "--run-name", "run"])
+    monkeypatch.setattr(sys, "argv", [f"{trainer}.py", "--model", qwen_like_path, *QWEN_LIKE_RUN,
+                                      *QWEN_LIKE_TRAINERS[trainer], "--output-dir", str(tmp_path), "--run-name", "run"])
     module.main()
-    with open(tmp_path / "run" / "metrics.jsonl") as handle:
-        records = [json.loads(line) for line in handle]
-    assert [r["step"] for r in records] == [0, 1]
-    for record in records:
-        assert all(math.isfinite(value) for value in record.values()), record
-        assert record["truncated"] == 0.0, record  # every response stopped within 48 tokens
-    # greedy evaluation of 4 held-out problems before the first update: the turn's own answer, not the invented one
-    assert records[0]["eval/accuracy"] > 0, records[0]
-    assert "rollouts stop at <|endoftext|> (339), <|im_end|> (341)" in capsys.readouterr().out.splitlines()
+    check_qwen_like_run(tmp_path / "run", capsys.readouterr().out)
