@@ -39,8 +39,11 @@ def resolve_model_name(name):
 def load_tokenizer(name_or_path, trust_remote_code=False):
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_name(name_or_path), trust_remote_code=trust_remote_code)
-    if tokenizer.pad_token_id is None:  # never pad with EOS: the EOS we generate must stay a trained token
-        tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
+    # No pad token (Llama 3, Mistral): pad with the EOS, an id the model has. Safe: masks come from lengths
+    # (sequence_batch, HFGenerator), never from pad ids, so a generated EOS stays a trained token. A new <|pad|>
+    # would need a new embedding row, which vLLM's engine, built from the checkpoint, lacks (weight sync fails).
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.convert_ids_to_tokens(0)
     return tokenizer
 
 
@@ -69,8 +72,6 @@ def load_model(name_or_path, dtype="auto", device=None, trust_remote_code=False,
         reason = " ".join(str(error).split())  # transformers' messages run over several lines
         raise UserError(f"cannot load model {name_or_path!r} from {path!r}: "
                         f"{reason if len(reason) <= 300 else reason[:300] + '...'}") from None
-    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        model.resize_token_embeddings(len(tokenizer))
     model.config.pad_token_id = tokenizer.pad_token_id
     model.compute_dtype, model.architecture = getattr(torch, dtype), type(model).__name__
     for module in model.modules():  # no dropout in RL (as verl): the value head's classifier_dropout defaults to 0.1
@@ -221,10 +222,10 @@ def score(response, row):
 @dataclass
 class Completion:
     prompt_index: int  # which prompt of the call this sample answers
-    token_ids: list  # sampled response tokens, the EOS included when the model stopped
+    token_ids: list  # sampled response tokens, the stop token (infra.engine.stop_token_ids) included if it stopped
     text: str  # decoded response, special tokens removed
     logprobs: list  # log-prob of each sampled token under the sampling (temperature/top-p) distribution
-    finish_reason: str  # "stop" (EOS) or "length" (hit max_tokens)
+    finish_reason: str  # "stop" (a stop token) or "length" (hit max_tokens)
 
 
 def engine_logprobs(completions, width):

@@ -118,11 +118,32 @@ class HFGenerator:
 
 
 def stop_token_ids(model, tokenizer):
-    """Every id a rollout stops on: the tokenizer's EOS and each id of the model's generation_config.eos_token_id
-    (chat checkpoints such as Qwen3's list two: <|im_end|> and <|endoftext|>)."""
+    """Every id a rollout stops on: the tokenizer's EOS, each id of the model's generation_config.eos_token_id
+    (chat checkpoints such as Qwen3's list two: <|im_end|> and <|endoftext|>) and the chat template's turn end
+    (turn_end_id): a Base checkpoint's config lists <|endoftext|> alone, and its prompts end in the template's
+    `<|im_start|>assistant\n`, so without it a rollout runs on into an invented next turn."""
     ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids = [ids] if isinstance(ids, int) else list(ids or [])
-    return [i for i in dict.fromkeys([tokenizer.eos_token_id, *ids]) if i is not None]
+    return [i for i in dict.fromkeys([tokenizer.eos_token_id, *ids, turn_end_id(tokenizer)]) if i is not None]
+
+
+def turn_end_id(tokenizer):
+    """The special token that closes an assistant turn in the tokenizer's chat template (ChatML's <|im_end|>,
+    Llama 3's <|eot_id|>), read off the template itself: the first special token after an assistant message's
+    content in a rendered conversation. None without a template, or when no special token follows the content."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    marker = "Zq7"  # content any template copies as it is
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "1+1"}, {"role": "assistant",
+                                                                                 "content": marker}], tokenize=False)
+    except Exception:  # a template that refuses the conversation (its raise_exception, a missing variable ...)
+        return None
+    if marker not in text:
+        return None
+    special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    tail = tokenizer(text[text.rindex(marker) + len(marker):], add_special_tokens=False)["input_ids"]
+    return next((i for i in tail if i in special), None)
 
 
 def reuse_engine_logprobs(choice, generator, policy, top_p):

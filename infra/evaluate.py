@@ -25,7 +25,7 @@ def rollout_metrics(completions, rewards, trainer_logprobs, mask):
 
 
 def response_tokens(completion):
-    """The sampled tokens without the final EOS."""
+    """The sampled tokens without the final stop token (EOS or turn end)."""
     return completion.token_ids[:-1] if completion.finish_reason == "stop" else completion.token_ids
 
 

@@ -142,6 +142,9 @@ class Run:
         self.start_step = load_checkpoint(self.resume_path, models, optimizers) if self.resume_path else 0
         self.generator = make_generator(self.args.generator, models["policy"], tokenizer,
                                         self.args.gpu_memory_utilization, self.args.seed, self.args.vllm_kv_cache_gib)
+        if dist.rank() == 0:  # EOS, generation_config's EOS ids, the chat template's turn end (stop_token_ids)
+            print("rollouts stop at " + ", ".join(f"{tokenizer.convert_ids_to_tokens(i)} ({i})"
+                                                   for i in self.generator.stop_ids))
         return self.generator
 
     def resume_record(self):

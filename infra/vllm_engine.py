@@ -100,7 +100,8 @@ class VLLMGenerator:
         # serialized, and the weights handed to sync_weights() are read in place.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         _quiet_vllm()
-        self.tokenizer, self.asleep = tokenizer, set()
+        from infra.engine import stop_token_ids
+        self.tokenizer, self.asleep, self.stop_ids = tokenizer, set(), stop_token_ids(model, tokenizer)
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_SkipRotaryReloadWarning())
         with _process_state_kept():
             from vllm import LLM
@@ -134,7 +135,6 @@ class VLLMGenerator:
         self.wake_up()
         greedy = temperature <= 0  # SamplingParams rejects n > 1 when greedy: send each prompt n times instead
         repeats, n = (n, 1) if greedy else (1, n)
-        eos = self.tokenizer.eos_token_id
         # One draw of the trainer's torch RNG per sampled call (none when greedy): request i samples with seed
         # base + i * n, its j-th sample with base + i * n + j (v1/engine/parallel_sampling.py), so a sample depends
         # on the run's RNG state, its prompt and position alone, not on how vLLM batches the requests. (Unseeded,
@@ -142,9 +142,12 @@ class VLLMGenerator:
         # v1/sample/ops/topk_topp_sampler.py forward_cpu, random_sample.)
         base = None if greedy else int(torch.randint(2 ** 31, ()))
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts for _ in range(repeats)]
-        # sampling_params.py: logprobs=0 returns the sampled token's log-prob alone
+        # sampling_params.py: logprobs=0 returns the sampled token's log-prob alone. The stops are HFGenerator's
+        # (infra.engine.stop_token_ids); vLLM stops at its tokenizer's EOS and generation_config's too
+        # (update_from_generation_config). A stop id ends the output like the EOS: v1/core/sched/utils.py check_stop
+        # runs after the token is appended, so token_ids and logprobs keep it, the layout of HFGenerator's.
         params = [SamplingParams(n=n, temperature=max(temperature, 0.0), top_p=1.0 if greedy else top_p,
-                                 max_tokens=max_tokens, logprobs=0, stop_token_ids=None if eos is None else [eos],
+                                 max_tokens=max_tokens, logprobs=0, stop_token_ids=list(self.stop_ids),
                                  seed=None if greedy else base + i * n) for i in range(len(requests))]
         # Every call starts from an empty prefix cache, so it computes the same tokens whatever ran before it (an
         # evaluation, a resumed run's first step); the n samples of a prompt still share its cached prompt.

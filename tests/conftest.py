@@ -1,5 +1,5 @@
-"""Shared fixtures: the repository on sys.path, the benchmark data folder (skip when absent), the tiny model,
-and a runner for the trainers' command lines."""
+"""Shared fixtures: the repository on sys.path, the benchmark data folder (skip when absent), the tiny model, the
+Qwen-like checkpoint and its Llama-layout variant, and a runner for the trainers' command lines."""
 import os
 import subprocess
 import sys
@@ -11,6 +11,7 @@ import infra.tiny
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
+QWEN_LIKE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "qwen_like")
 sys.path.insert(0, REPO)
 
 
@@ -47,6 +48,21 @@ def tiny(tiny_path):
     model, tokenizer = common.load_model("tiny", device="cpu")
     model.eval()
     return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def qwen_like_path():
+    """The Qwen-like checkpoint (tests/fixtures/qwen_like/, built by tests/fixtures/qwen_like.py): ChatML, EOS =
+    pad = <|endoftext|>, the Base checkpoints' generation_config; its model writes past its turn end."""
+    return QWEN_LIKE
+
+
+@pytest.fixture(scope="session")
+def llama_like_path(tmp_path_factory):
+    """The same checkpoint in Llama's layout: no pad token, embedding rows = the tokenizer's length."""
+    sys.path.insert(0, os.path.dirname(QWEN_LIKE))
+    import qwen_like
+    return qwen_like.llama_layout(QWEN_LIKE, str(tmp_path_factory.mktemp("llama_like")))
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
-"""Helpers several test files share: reading a run's metrics, comparing two runs' records, and killing a run to
-resume it."""
+"""Helpers several test files share: reading a run's metrics, comparing two runs' records, killing a run to resume
+it, and the checks of the Qwen-like fixture's turn end (with HF generate and with vLLM)."""
 import contextlib
 import json
+import math
 import os
 import signal
 import time
@@ -71,3 +72,79 @@ def killed_on_exit(*processes):
         for process in processes:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
+
+
+def check_turn_end_paths(generator, tokenizer, rows, max_tokens=64):
+    """With the Qwen-like fixture (tests/fixtures/qwen_like.py) and `generator` greedy: its model answers in its own
+    turn, closes it with <|im_end|>, then invents a next turn ending in a wrong \\boxed{0} before <|endoftext|>. Every
+    engine path, rollout (scored as the trainers score it), evaluation, Monte Carlo values and SPO-tree segments,
+    scores the answer of the turn itself: 1 exactly when the text before the first <|im_end|> of the run that stops
+    at <|endoftext|> alone (the reference) boxes a + b. Returns how many prompts that is."""
+    import common
+    import spo
+    from infra.evaluate import evaluate
+    turn_end, eos = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id
+    prompts = [common.prompt_ids(tokenizer, row["question"]) for row in rows]
+    stops, generator.stop_ids = generator.stop_ids, [eos]
+    try:
+        reference = generator.generate(prompts, 1, max_tokens, 0.0)
+    finally:
+        generator.stop_ids = stops
+    own = []
+    for completion, row in zip(reference, rows):  # the reference runs on past its turn into a wrong \boxed{0}
+        full = tokenizer.decode(completion.token_ids)
+        assert completion.token_ids[-1] == eos and "<|im_end|>\n<|im_start|>user" in full, full
+        assert common.score(completion.text, row) == 0.0 and common.extract_answer(full) == "0", full
+        own.append(float(common.extract_answer(full.split("<|im_end|>")[0]) == str(row["a"] + row["b"])))
+
+    completions = generator.generate(prompts, 1, max_tokens, 0.0)  # rollout
+    evaluation = evaluate(generator, tokenizer, {"b": rows}, 1, max_tokens, 0.0, 1.0)
+    states = [(prompt, []) for prompt in prompts] + [(prompt, ref.token_ids[:5]) for prompt, ref in
+                                                      zip(prompts, reference)]
+    values, _ = common.monte_carlo_values(generator, tokenizer, states, rows + rows, 1, max_tokens, 0.0)
+    tree = spo.grow_tree(generator, tokenizer, prompts, rows, 2, 1, 8, max_tokens, 0.0, 1.0)
+    leaves = [node for node, segment in enumerate(tree.segments) if segment and segment.finish_reason == "stop"]
+    scored = {"rollout": [common.score(c.text, rows[c.prompt_index]) if c.finish_reason == "stop" else 0.0
+                          for c in completions],  # as the trainers score it
+              "evaluation": evaluation["eval/b/avg@1"], "monte_carlo": values.tolist(),
+              "spo_tree": [(tree.prompt_index[node], tree.rewards[node]) for node in leaves]}
+    expected = {"rollout": own, "evaluation": sum(own) / len(own), "monte_carlo": own + own,
+                "spo_tree": list(enumerate(own))}  # one chain per prompt, ending in its second segment
+    assert scored == expected, f"scored {scored}, the turns' own answers {expected}"
+    for completion, ref in zip(completions, reference):  # the layout: the stop token ends token_ids and logprobs
+        cut = ref.token_ids.index(turn_end) + 1
+        assert completion.token_ids == ref.token_ids[:cut] and completion.finish_reason == "stop"
+        assert len(completion.logprobs) == cut and completion.text == tokenizer.decode(ref.token_ids[:cut],
+                                                                                       skip_special_tokens=True)
+    assert all(tree.segments[node].token_ids[-1] == turn_end for node in leaves)
+    return int(sum(own))
+
+
+# Two steps of a trainer on the Qwen-like fixture (tests/test_qwen_like.py with HF generate, tests/test_vllm.py with
+# vLLM): greedy evaluation of 4 held-out problems at the start and the end.
+QWEN_LIKE_RUN = ["--dataset", "builtin:2", "--steps", "2", "--prompts-per-step", "2", "--max-response-tokens", "48",
+                 "--eval-every", "0", "--eval-problems", "4", "--eval-n", "1", "--eval-temperature", "0",
+                 "--eval-max-tokens", "48", "--save-every", "0", "--no-gradient-checkpointing", "--lr", "1e-6"]
+QWEN_LIKE_TRAINERS = {  # ppo: its probe's Monte Carlo values; spo: SPO-tree
+    "ppo": ["--samples-per-prompt", "2", "--micro-batch-size", "4", "--probe-every", "1", "--probe-prompts", "2",
+            "--probe-continuations", "2", "--critic-warmup", "1"],
+    "grpo": ["--samples-per-prompt", "2", "--micro-batch-size", "4"],
+    "sppo": ["--prompts-per-step", "4", "--mini-batches", "2", "--micro-batch-size", "2"],
+    "sp3o": ["--samples-per-prompt", "2", "--micro-batch-size", "4", "--critic-warmup", "1"],
+    "tppo": ["--samples-per-prompt", "2", "--micro-batch-size", "4"],
+    "spo": ["--mode", "tree", "--tree-prompts", "2", "--tree-depth", "2", "--tree-branching", "2",
+            "--tree-segment-tokens", "8", "--micro-batch-size", "4", "--mini-batches", "1"],
+}
+
+
+def check_qwen_like_run(run_dir, stdout):
+    """A 2-step run on the Qwen-like fixture: finite metrics, responses that end at their turn end (about 29 tokens;
+    running on to <|endoftext|> after the invented turn takes about 46), greedy evaluation scoring the turn's own
+    answer (the invented turn's \\boxed{0} would score 0), and the stops printed."""
+    steps = records(run_dir)
+    assert sorted(steps) == [0, 1]
+    for record in steps.values():
+        assert all(math.isfinite(value) for value in record.values()), record
+        assert record["truncated"] == 0.0 and record["response_length"] < 40, record
+    assert steps[0]["eval/accuracy"] > 0, steps[0]
+    assert "rollouts stop at <|endoftext|> (339), <|im_end|> (341)" in stdout.splitlines()

@@ -282,7 +282,7 @@ def test_generated_eos_gets_gradient_and_padding_none(tiny, same_pad_and_eos):
     model, tokenizer = tiny
     eos = tokenizer.eos_token_id
     pad = eos if same_pad_and_eos else tokenizer.pad_token_id
-    assert tokenizer.pad_token_id != eos  # the tokenizer itself never pads with EOS
+    assert tokenizer.pad_token_id != eos  # the tiny tokenizer has a pad token of its own
     short = tokenizer("1+2+0=3 \\boxed{3}", add_special_tokens=False)["input_ids"] + [eos]
     long = tokenizer("8+5+0=13 7+6+1=14 4+3+1=8 \\boxed{843}", add_special_tokens=False)["input_ids"] + [eos]
     prompts = [common.prompt_ids(tokenizer, "1+2"), common.prompt_ids(tokenizer, "478+365")]

@@ -8,6 +8,7 @@ those tests skip, saying why.
 """
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -26,7 +27,8 @@ import infra.engine
 import infra.run
 import infra.tiny
 from infra import vllm_engine
-from helpers import assert_same_records, kill_then_resume, records
+from helpers import QWEN_LIKE_RUN, QWEN_LIKE_TRAINERS, assert_same_records, check_qwen_like_run, kill_then_resume, \
+    records
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -423,6 +425,30 @@ def test_trainer_runs_two_steps_with_vllm(trainer, tmp_path, tiny_path):
     for record in steps.values():  # step 1 sampled from the synced engine: a missed sync would show here
         assert record["logprob_gap_max"] <= 1e-4 and 0 <= record["reward"] <= 1, record
     assert os.path.isdir(tmp_path / "r" / "checkpoints" / "step_000002" / "policy")
+
+
+@real_engine
+@pytest.mark.parametrize("layout", ["qwen", "llama"])
+def test_turn_end_and_weight_sync_on_qwen_like_checkpoints(layout, qwen_like_path, llama_like_path):
+    """The Qwen-like fixture (EOS = pad, embedding rows padded above the vocabulary) and its Llama layout (no pad
+    token, rows = vocabulary): the engine, built from the checkpoint, takes the policy's weights at the build and after
+    a change (a resized embedding would be one row larger), and every engine path stops at <|im_end|> and scores the
+    turn's own answer (tests/vllm_turn_end.py, one engine per process)."""
+    result = run("tests/vllm_turn_end.py", qwen_like_path if layout == "qwen" else llama_like_path, timeout=600)
+    check_ok(result)
+    rows = 384 if layout == "qwen" else 344
+    assert f"stops [339, 341], pad 339, rows {rows}" in result.stdout.splitlines(), result.stdout[-2000:]
+    right = re.search(r"turn end: (\d+) of 24 turns answered right", result.stdout)
+    assert right and int(right[1]) >= 12, result.stdout[-2000:]  # 23 here, as with HF generate (test_qwen_like.py)
+
+
+@real_engine
+@pytest.mark.parametrize("trainer", list(QWEN_LIKE_TRAINERS))
+def test_trainer_runs_two_steps_with_vllm_on_the_qwen_like_model(trainer, tmp_path, qwen_like_path):
+    result = run(f"{trainer}.py", *VLLM, "--model", qwen_like_path, *QWEN_LIKE_RUN, *QWEN_LIKE_TRAINERS[trainer],
+                 "--output-dir", tmp_path, "--run-name", "r")
+    check_ok(result)
+    check_qwen_like_run(tmp_path / "r", result.stdout)
 
 
 @real_engine
