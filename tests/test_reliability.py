@@ -188,6 +188,22 @@ def test_sp3o_anchors_outside_unit_interval_refused(ratios, monkeypatch, capsys,
     assert "--anchor-ratios" in refusal(monkeypatch, capsys, "sp3o", "--anchor-ratios", *ratios)
 
 
+@pytest.mark.skipif("sp3o" not in TRAINERS, reason="sp3o.py is not there")
+@pytest.mark.parametrize("ratios", [["0.6", "0.3", "0.9"], ["0.3", "0.3", "0.9"], ["0.9", "0.6"], ["1", "1"]])
+def test_sp3o_anchors_unsorted_or_repeated_refused(ratios, monkeypatch, capsys, no_model):
+    """The released code refuses them (slime/utils/sp3o.py _validated_ratios: unique, then sorted)."""
+    message = refusal(monkeypatch, capsys, "sp3o", "--anchor-ratios", *ratios)
+    assert "--anchor-ratios" in message and "sorted unique" in message
+
+
+@pytest.mark.skipif("sp3o" not in TRAINERS, reason="sp3o.py is not there")
+@pytest.mark.parametrize("ratios", [["1"], ["0.3", "1"], ["0.2", "0.5", "0.8"]])
+def test_sp3o_sorted_unique_anchors_accepted(ratios, monkeypatch, no_model):
+    monkeypatch.setattr(sys, "argv", ["sp3o.py", "--anchor-ratios", *ratios])
+    with pytest.raises(ModelLoaded):  # past every check, to the model load
+        importlib.import_module("sp3o").main()
+
+
 def test_skip_bad_rows_gets_past_the_data(tmp_path, monkeypatch, capsys, no_model):
     bad = write(tmp_path / "bad.jsonl", '{"question": "1+1", "answer": "2"}\n{"question": \n')
     monkeypatch.setattr(sys, "argv", ["grpo.py", "--dataset", bad, "--skip-bad-rows"])
