@@ -23,7 +23,7 @@ from infra.engine import check_generator, make_generator
 from infra.evaluate import eval_table, evaluate
 from infra.hub import check_model_source
 from infra.log import Logger
-from infra.resume import WHERE, command, resume_point, run_directory, saved_settings
+from infra.resume import WHERE, command, fixed_steps, resume_point, run_directory, saved_settings, train_further
 
 
 def run_main(main):
@@ -273,8 +273,10 @@ class Run:
                 lines.append(f"  {key}: {first:.4f} at step {self.start_step} -> {last_metrics[key]:.4f} at step "
                              f"{steps_done}")
         checkpoint = os.path.join(self.dir, "checkpoints", f"step_{steps_done:06d}", "policy")
-        more = max(self.args.steps, 2 * steps_done)
-        lines.append(f"  continue: {command('--resume', self.dir, '--steps', more)}")
+        settings = dataclasses.asdict(self.args)
+        more = self.args.steps if fixed_steps(settings) else max(self.args.steps, 2 * steps_done)
+        lines.append("  continue: " + (train_further(settings, self.dir, steps_done) if more == steps_done else
+                                       command("--resume", self.dir, "--steps", more)))
         digits = ("--dataset", self.args.dataset) if self.args.dataset.startswith("builtin:") and \
             "builtin" in self.args.eval_datasets else ()  # `builtin` evaluates the digits trained on
         evaluate = command('--eval-only', '--model', checkpoint, *digits, '--eval-datasets', *self.args.eval_datasets)

@@ -2,6 +2,7 @@
 non-finite updates skipped, Ctrl-C and SIGTERM save, no start leaves a folder that blocks both resuming and
 restarting, checkpoints atomic under SIGKILL, and --resume continues exactly (step for step, bit for bit) with the
 run's saved settings."""
+import dataclasses
 import glob
 import importlib
 import json
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -509,6 +511,58 @@ def test_resume_takes_the_saved_settings_and_records_changes(monkeypatch, capsys
     assert f"--resume continues {run_dir} in place" in other
     assert sorted(os.path.basename(path) for path in glob.glob(os.path.join(run_dir, "config*.json"))) == \
         ["config.json", "config.resume_000002.json"]  # refusals write nothing
+
+
+def spo_run_folder(tmp_path, name, trained_steps, *flags):
+    """A run folder as spo.py leaves it, for what --resume reads before any model loads: config.json (the settings
+    of `spo.py --steps 4 flags`) and a checkpoint after `trained_steps` steps (its trainer_state.pt)."""
+    import infra.cli
+    spo = importlib.import_module("spo")
+    args = infra.cli.parse_args(spo.Args, spo.TINY_PRESET, ["--steps", "4", *map(str, flags)])
+    checkpoint = tmp_path / name / "checkpoints" / f"step_{trained_steps:06d}"
+    os.makedirs(checkpoint)
+    with open(tmp_path / name / "config.json", "w") as handle:
+        json.dump(dataclasses.asdict(args), handle)
+    torch.save({"step": trained_steps, "models": ["policy"], "fresh_optimizers": []}, checkpoint / "trainer_state.pt")
+    return str(tmp_path / name), args
+
+
+@pytest.mark.skipif("spo" not in TRAINERS, reason="spo.py is not there")
+def test_spo_resume_keeps_its_learning_rate_schedule(monkeypatch, capsys, tmp_path, no_model):
+    """SPO's learning rate decays to 0 over the run's optimizer steps (spo.lr_factor, total steps x epochs x
+    mini-batches): a resume that changed --steps would change it (a finished run, decayed to ~0, would restart near
+    half its peak). A run that has trained keeps its --steps, saying why; every hint that offers --steps 2N names a
+    new run from its weights instead; a run of constant learning rate, or one with no step trained, may change it."""
+    spo = importlib.import_module("spo")
+    run_dir, args = spo_run_folder(tmp_path, "decay", 2)
+    total = args.steps * args.epochs * args.mini_batches  # the schedule a change would break: half-way at step 2
+    assert spo.lr_factor(2 * args.epochs * args.mini_batches, total) == pytest.approx(0.5, abs=0.05)
+    line = refusal(monkeypatch, capsys, "spo", "--resume", run_dir, "--steps", 8)
+    assert f"--resume {run_dir}: --steps 8 (saved: 4) would change the learning rate of the steps to come (its " \
+           "learning rate follows --lr-schedule warmup-decay over its 4 steps; an exact resume keeps it)" in line
+    assert f"start a new run from its weights: --model {run_dir}/checkpoints/step_000002/policy" in line
+    for argv in (["--resume", run_dir], ["--resume", run_dir, "--steps", 4],  # unchanged: resumes
+                 ["--resume", spo_run_folder(tmp_path, "constant", 2, "--lr-schedule", "constant")[0], "--steps", 8]):
+        monkeypatch.setattr(sys, "argv", ["spo.py", *map(str, argv)])
+        with pytest.raises(ModelLoaded):
+            spo.main()
+    finished, args = spo_run_folder(tmp_path, "finished", 4)
+    further = f"start a new run from its weights: --model {finished}/checkpoints/step_000004/policy --run-name NAME " \
+              "(a resume keeps --steps 4: its learning rate follows --lr-schedule warmup-decay over its 4 steps)"
+    monkeypatch.setattr(sys, "argv", ["spo.py", "--resume", finished])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        infra.run.run_main(spo.main)
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().err.strip() == f"{finished} is finished: 4 of 4 steps done. To train it further: " \
+                                              f"{further}"
+    clash = refusal(monkeypatch, capsys, "spo", "--run-name", "finished", "--output-dir", tmp_path)
+    assert clash.endswith(f"already holds a finished run (4 steps): to train it further: {further}; or pass another "
+                          "--run-name")
+    run = SimpleNamespace(trainer="spo.py", start_step=2, started=time.time(), dir=finished, first_eval={}, args=args)
+    assert f"  continue: {further}" in infra.run.Run.summary(run, 4, {}).splitlines()
+    assert f"  continue: python spo.py --resume {run_dir} --steps 4" in \
+        infra.run.Run.summary(SimpleNamespace(**{**vars(run), "dir": run_dir}), 2, {}).splitlines()
 
 
 @pytest.mark.parametrize("first, second", [(signal.SIGINT, signal.SIGINT), (signal.SIGTERM, signal.SIGINT),
