@@ -310,17 +310,24 @@ def assert_same(a, b):
 @pytest.fixture
 def poison(monkeypatch):
     """poison(steps): the trainer's log-probs become NaN in the update phase (grad enabled) of those steps, so
-    the loss and gradient norm are NaN there; the rollout's log-probs stay finite."""
+    the loss and gradient norm are NaN there; the rollout's log-probs stay finite. The first `finite_forwards`
+    update forwards of each of those steps stay finite (with one micro-batch per mini-batch: its first updates are
+    taken). poison(set()) ends it."""
     current, real_rows, real_logprobs = {"step": None}, infra.data.step_rows, common.response_logprobs
 
     def step_rows(rows, step, count, seed):
         current["step"] = step
         return real_rows(rows, step, count, seed)
 
-    def apply(steps):
+    def apply(steps, finite_forwards=0):
+        forwards = {}
+
         def response_logprobs(model, batch, temperature=1.0):
             logprobs = real_logprobs(model, batch, temperature)
-            return logprobs * float("nan") if torch.is_grad_enabled() and current["step"] in steps else logprobs
+            if torch.is_grad_enabled() and current["step"] in steps:
+                forwards[current["step"]] = forwards.get(current["step"], 0) + 1
+                return logprobs * float("nan") if forwards[current["step"]] > finite_forwards else logprobs
+            return logprobs
         monkeypatch.setattr(infra.data, "step_rows", step_rows)
         monkeypatch.setattr(common, "response_logprobs", response_logprobs)
     return apply
@@ -356,6 +363,53 @@ def test_non_finite_updates_in_a_row_stop_with_a_checkpoint(monkeypatch, tmp_pat
     assert_same(tensors(saved), load_file(os.path.join(tiny_path, "model.safetensors")))  # never updated
     assert trainer_state(saved)["fresh_optimizers"] == ["policy"]  # Adam never stepped: resumes with empty state
     assert records(run_dir)[0]["skipped_updates"] == 1.0
+
+
+def resume_grpo(monkeypatch, path):
+    monkeypatch.setattr(sys, "argv", ["grpo.py", "--resume", str(path)])
+    importlib.import_module("grpo").main()
+
+
+def test_non_finite_stop_before_any_update_of_the_step_saves_its_start(monkeypatch, tmp_path, poison):
+    """Both updates of step 2 non-finite (--max-skipped-updates 2): the run stops with step 2's start saved, the RNG
+    states as it began included, so the checkpoint equals a straight run's step_000002 and a resume repeats step 2
+    exactly (a save of the RNG states as they were mid-step would sample step 2's rollout differently)."""
+    straight = run_grpo(monkeypatch, tmp_path / "straight", "--steps", 4, "--save-every", 1, "--keep-checkpoints", 9)
+    poison({2})
+    with pytest.raises(infra.UserError, match=r"2 non-finite updates in a row at step 2; the last good state is "
+                                               r"saved in .*step_000002 \(as step 2 began\)"):
+        run_grpo(monkeypatch, tmp_path / "poisoned", "--steps", 4, "--save-every", 0, "--max-skipped-updates", 2)
+    poisoned = os.path.join(tmp_path, "poisoned", "run")
+    saved, reference = (os.path.join(run, "checkpoints", "step_000002") for run in (poisoned, straight))
+    assert_same(trainer_state(saved), trainer_state(reference))  # weights, Adam, RNG states
+    assert_same(tensors(saved), tensors(reference))
+    poison(set())
+    resume_grpo(monkeypatch, poisoned)
+    assert_same_records(records(poisoned), records(straight), 4)
+    assert_same(tensors(os.path.join(poisoned, "checkpoints", "step_000004")),
+                tensors(os.path.join(straight, "checkpoints", "step_000004")))
+
+
+def test_non_finite_stop_after_an_update_of_the_step_resumes_from_the_step_before(monkeypatch, tmp_path, poison):
+    """Step 2's first update taken, its second non-finite (--max-skipped-updates 1): the weights hold half of step 2,
+    so nothing is saved (a checkpoint of them, resumed, would apply step 2's first update again), and the message
+    names the last whole state, step_000002 saved after step 1; resumed from it, the run equals a straight one."""
+    straight = run_grpo(monkeypatch, tmp_path / "straight", "--steps", 4, "--save-every", 1, "--keep-checkpoints", 9)
+    poison({2}, finite_forwards=1)
+    poisoned = os.path.join(tmp_path, "poisoned", "run")
+    last = os.path.join(poisoned, "checkpoints", "step_000002")
+    with pytest.raises(infra.UserError) as error:
+        run_grpo(monkeypatch, tmp_path / "poisoned", "--steps", 4, "--save-every", 1, "--max-skipped-updates", 1)
+    assert str(error.value) == ("1 non-finite updates in a row at step 2, after updates of that step, so the weights "
+                                f"hold part of it and nothing is saved; the last good state is {last}: continue "
+                                f"with python grpo.py --resume {last}")
+    assert infra.checkpoint._checkpoint_steps(os.path.join(poisoned, "checkpoints")) == [1, 2]
+    assert_same(tensors(last), tensors(os.path.join(straight, "checkpoints", "step_000002")))
+    poison(set())
+    resume_grpo(monkeypatch, last)
+    assert_same_records(records(poisoned), records(straight), 4)
+    assert_same(tensors(os.path.join(poisoned, "checkpoints", "step_000004")),
+                tensors(os.path.join(straight, "checkpoints", "step_000004")))
 
 
 def test_ctrl_c_saves_and_exits_cleanly(monkeypatch, tmp_path):
