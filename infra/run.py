@@ -16,7 +16,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from infra import UserError, data, dist, memory
+from infra import UserError, data, dist, memory, verifier
 from infra.checkpoint import _checkpoint_steps, load_checkpoint, rng_state, save_checkpoint, seed_everything
 from infra.cli import check_integrations
 from infra.engine import check_generator, make_generator
@@ -143,6 +143,7 @@ class Run:
         self.start_step = load_checkpoint(self.resume_path, models, optimizers) if self.resume_path else 0
         self.generator = make_generator(self.args.generator, models["policy"], tokenizer,
                                         self.args.gpu_memory_utilization, self.args.seed, self.args.vllm_kv_cache_gib)
+        verifier.CHECKER.prestart()  # the answer checker starts during the first rollout, not in its first check
         return self.generator
 
     def resume_record(self):
