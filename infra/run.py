@@ -143,7 +143,9 @@ class Run:
         self.start_step = load_checkpoint(self.resume_path, models, optimizers) if self.resume_path else 0
         self.generator = make_generator(self.args.generator, models["policy"], tokenizer,
                                         self.args.gpu_memory_utilization, self.args.seed, self.args.vllm_kv_cache_gib)
-        verifier.CHECKER.prestart()  # the answer checker starts during the first rollout, not in its first check
+        if not all(name.startswith("builtin") for name in (self.args.dataset, *self.args.eval_datasets)):
+            verifier.CHECKER.prestart()  # the answer checker starts beside the first rollout, not in its first check
+            # (the built-in task's answers are numbers, compared in-process: it seldom needs the checker at all)
         return self.generator
 
     def resume_record(self):

@@ -171,10 +171,13 @@ def test_the_first_check_of_a_run_keeps_its_budget(tmp_path):
 
 
 def test_a_run_prestarts_the_checker_with_its_engine(monkeypatch, tmp_path):
+    """On a dataset file (not the built-in task, whose numbers are compared in-process)."""
     checker = infra.verifier._Verifier()
     monkeypatch.setattr(infra.verifier, "CHECKER", checker)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"question": "12+30", "answer": "42"}\n{"question": "5+6", "answer": "11"}\n')
     flags = ["--steps", 1, "--prompts-per-step", 2, "--samples-per-prompt", 2, "--max-response-tokens", 8,
-             "--eval-problems", 2, "--eval-max-tokens", 8, "--output-dir", tmp_path]
+             "--dataset", rows, "--eval-datasets", rows, "--eval-max-tokens", 8, "--output-dir", tmp_path]
     monkeypatch.setattr(sys, "argv", ["grpo.py", *map(str, flags)])
     try:
         importlib.import_module("grpo").main()
