@@ -260,9 +260,10 @@ class Run:
                             f"{step} began)")
         steps = [done for done in _checkpoint_steps(os.path.join(self.dir, "checkpoints")) if done <= step]
         latest = os.path.join(self.dir, "checkpoints", f"step_{steps[-1]:06d}") if steps else None
+        again = command("--resume", self.dir) if self.logger.records else command(*sys.argv[1:])  # no folder left
         raise UserError(f"{stop}, after updates of that step, so the weights hold part of it and nothing is saved; "
                         + (f"the last good state is {latest}: continue with {command('--resume', latest)}" if latest
-                           else f"no checkpoint was saved before it; to start again: {command('--resume', self.dir)}"))
+                           else f"no checkpoint was saved before it; to start again: {again}"))
 
     def end_step(self, step, metrics):
         """After a step's update: the evaluation after the last one, the log line and record, the checkpoint

@@ -412,6 +412,19 @@ def test_non_finite_stop_after_an_update_of_the_step_resumes_from_the_step_befor
                 tensors(os.path.join(straight, "checkpoints", "step_000004")))
 
 
+def test_non_finite_stop_in_step_0_leaves_nothing_and_names_the_command(monkeypatch, capsys, tmp_path, poison):
+    """Half of step 0 taken, then non-finite: no checkpoint, no logged step, so no folder is left (infra.run.Run.close)
+    and the message gives the command that starts the run again."""
+    poison({0}, finite_forwards=1)
+    argv = [*SMALL, "--steps", 2, "--max-skipped-updates", 1, "--run-name", "r", "--output-dir", tmp_path]
+    code, _, err = main_of(monkeypatch, capsys, *argv)
+    assert code == 2 and not os.path.exists(tmp_path / "r")
+    assert err.strip().splitlines()[-1] == (
+        "grpo.py: error: 1 non-finite updates in a row at step 0, after updates of that step, so the weights hold part "
+        "of it and nothing is saved; no checkpoint was saved before it; to start again: python grpo.py "
+        + shlex.join(map(str, argv)))
+
+
 def test_ctrl_c_saves_and_exits_cleanly(monkeypatch, tmp_path):
     """A real SIGINT as step 2 begins: main returns normally (exit code 0) with a checkpoint that holds exactly the
     logged steps (2 with an immediate stop, 3 with infra.run.StopSignals finishing the step first)."""
