@@ -219,9 +219,12 @@ def setup_for(args, device, gpu_bytes):
     tokens = max(args.micro_batch_tokens, sequence) if args.micro_batch_tokens else args.micro_batch_size * sequence
     vllm = bool(gpu_bytes) and args.generator != "hf" and (  # planning for another GPU: vLLM, as recommended
         args.generator == "vllm" or not device.startswith("cuda") or importlib.util.find_spec("vllm") is not None)
+    share = args.gpu_memory_utilization * gpu_bytes if vllm else 0.0
+    if not gpu_bytes and args.generator == "vllm":  # vLLM's CPU build: a KV cache of --vllm-kv-cache-gib
+        vllm, share = True, args.vllm_kv_cache_gib * GIB
     return Setup(tuple(models), dist.world_size(), args.offload_optimizer, tokens, sequence,
                  args.gradient_checkpointing, 4 if args.dtype == "float32" or not gpu_bytes else 2,
-                 "vllm" if vllm else "hf", args.gpu_memory_utilization * gpu_bytes if vllm else 0.0), None
+                 "vllm" if vllm else "hf", share), None
 
 
 def check(args, trainer_file, device):

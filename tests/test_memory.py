@@ -251,6 +251,20 @@ def test_host_refusal_against_a_stated_host_size():
     assert found and all(text.startswith(("--micro-batch-tokens", "--model")) for text in found)
 
 
+def test_a_cpu_run_with_vllm_plans_its_kv_cache(tmp_path):
+    """vLLM's CPU build holds --vllm-kv-cache-gib of KV cache and its own bf16 weights, not HF generate's cache."""
+    import sp3o
+    directory = qwen3_4b_config(tmp_path / "qwen3-4b")
+    args = infra.cli.parse_args(sp3o.Args, None, ["--model", directory, "--generator", "vllm", "--vllm-kv-cache-gib",
+                                                  "3"])
+    setup, why = memory.setup_for(args, "cpu", 0)
+    assert why is None and (setup.engine, setup.engine_bytes, setup.compute_bytes) == ("vllm", 3 * GIB, 4)
+    engine = next(row for row in memory.plan(setup) if row[0] == "engine")
+    assert engine[2:] == (0, 3 * GIB, 2 * QWEN3_4B.parameters())
+    setup, _ = memory.setup_for(infra.cli.parse_args(sp3o.Args, None, ["--model", directory]), "cpu", 0)
+    assert setup.engine == "hf"
+
+
 def test_the_plan_table_keeps_every_label_in_120_columns():
     printed = memory.table(memory.plan(Setup(sp3o_4b().models, offload=True, engine_bytes=24 * GIB)), "memory plan")
     assert "float32, policy 4.02B + critic 4.02B, over 1 rank, in host memory " in printed  # was cut: "in host me"
