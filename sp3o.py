@@ -176,8 +176,8 @@ def value_loss(values, old_values, returns, weights, clip=0.2, **counts):
 
 
 def check_args(args):
-    if not args.anchor_ratios or not all(0 < ratio <= 1 for ratio in args.anchor_ratios):
-        raise infra.UserError(f"--anchor-ratios {args.anchor_ratios}: give ratios in (0, 1], e.g. 0.3 0.6 0.9")
+    if not args.anchor_ratios or not all(a < b <= 1 for a, b in zip((0, *args.anchor_ratios), args.anchor_ratios)):
+        raise infra.UserError(f"--anchor-ratios {args.anchor_ratios}: sorted unique ratios in (0, 1], e.g. 0.3 0.6 0.9")
     rollout_size = args.prompts_per_step * args.samples_per_prompt
     mini_batch_size = rollout_size // args.mini_batches
     if rollout_size % args.mini_batches or not mini_batch_size \

@@ -56,13 +56,14 @@ def _fsync_tree(path):
         _fsync(directory)
 
 
-def save_checkpoint(run_dir, step, models, optimizers, tokenizer, keep=2):
+def save_checkpoint(run_dir, step, models, optimizers, tokenizer, keep=2, rng=None):
     """runs/<run>/checkpoints/step_<n>/{sharded/, <name>/, rng_rank<r>.pt, trainer_state.pt}: sharded/ holds the
     weights and optimizer states (torch.distributed.checkpoint: each rank writes its shards, and a resume may use
     any number of ranks); <name>/ a whole HF-format copy of each model (for --eval-only, vLLM and export).
     Written to a staging directory, flushed, then renamed: a kill at any moment leaves the previous checkpoints
     whole. Keeps the last `keep`; a saved step also removes later steps (left by a run resumed from an earlier
-    checkpoint). Every rank calls it; the directory must be one filesystem seen by all (multi-node: a shared one)."""
+    checkpoint). Every rank calls it; the directory must be one filesystem seen by all (multi-node: a shared one).
+    `rng`: the RNG states to save (rng_state() taken earlier), else the current ones."""
     root = os.path.join(run_dir, "checkpoints")
     final, staging = os.path.join(root, f"step_{step:06d}"), os.path.join(root, f".staging_{step:06d}")
     if rank() == 0:
@@ -77,7 +78,7 @@ def save_checkpoint(run_dir, step, models, optimizers, tokenizer, keep=2):
     _save_sharded(staging, models, optimizers, tokenizer)
     for name in fresh:
         optimizers[name].state.clear()
-    torch.save(_rng_state(), os.path.join(staging, f"rng_rank{rank()}.pt"))
+    torch.save(rng or rng_state(), os.path.join(staging, f"rng_rank{rank()}.pt"))
     if distributed():
         torch.distributed.barrier()
     if rank() == 0:
@@ -120,7 +121,7 @@ def _sharded_state(models, optimizers):
             for name, model in models.items()}
 
 
-def _rng_state():
+def rng_state():
     return {"python": random.getstate(), "numpy": _numpy_rng_state(), "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
 

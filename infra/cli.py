@@ -59,7 +59,7 @@ class RunArgs:
     eval_top_p: float = 0.95  # evaluation nucleus sampling (published: 0.95)
     eval_max_tokens: int = 8192  # evaluation response length limit
     skip_bad_rows: bool = False  # skip malformed dataset rows (reported as a count) instead of stopping
-    max_skipped_updates: int = 5  # stop after this many non-finite updates in a row (a checkpoint is saved)
+    max_skipped_updates: int = 5  # stop after this many non-finite updates in a row (at the step's start)
     save_every: int = 50  # checkpoint every N steps, and at the end (0: only at the end)
     keep_checkpoints: int = 2  # how many recent checkpoints to keep
     tensorboard: bool = False  # also log to TensorBoard in the run directory

@@ -3,7 +3,8 @@ the method (policy; critic on its --critic-model backbone; a frozen reference wh
 ranks (FSDP2 shards weights, gradients and AdamW states over them), the dtype policy (float32 weights and AdamW
 states, bf16 compute), gradient checkpointing, the micro-batch token budget and the vLLM engine's share.
 Run.__init__ prints it when a real-model run starts (the tiny demo: with --gpu-memory-gib) and refuses, in one line
-naming flags that fit, a plan larger than the device. `python -m infra.memory --table`: the README's scaling table.
+naming flags that fit, a plan larger than the device or than this machine's available memory (a CPU run's whole
+plan; the host column). `python -m infra.memory --table`: the README's scaling table.
 Estimates from shapes, not measurements: not yet compared with a measured GPU peak."""
 import ctypes
 import dataclasses
@@ -139,18 +140,42 @@ def peak(rows):
 
 
 def table(rows, title):
-    """The plan as printed: one line per component, GiB in the update and rollout phases and in host memory."""
+    """The plan as printed, in 120 columns: one line per component, GiB in the update and rollout phases and in host
+    memory (each column 9 wide: up to 99,999.9 GiB)."""
     rows = rows + [("total GiB", "", *(sum(row[column] for row in rows) for column in (2, 3, 4)))]
-    return "\n".join([f"{title:<78}{'update':>14}{'rollout':>14}{'host':>14}"] + [
-        f"  {name:<15}{what[:61]:<61}{u / GIB:>14.1f}{r / GIB:>14.1f}{h / GIB:>14.1f}" for name, what, u, r, h in rows])
+    return "\n".join([f"{title[:93]:<93}{'update':>9}{'rollout':>9}{'host':>9}"] + [
+        f"  {name:<15}{what[:76]:<76}{u / GIB:>9.1f}{r / GIB:>9.1f}{h / GIB:>9.1f}" for name, what, u, r, h in rows])
 
 
-def fitting_flags(setup, limit):
+def host_memory():
+    """(available, total) bytes of this machine's memory: /proc/meminfo's MemAvailable (what the kernel can give
+    without swapping: free pages and reclaimable caches) and MemTotal; without /proc, os.sysconf's free and total
+    pages (free understates what is available: caches count as used)."""
+    try:
+        with open("/proc/meminfo") as handle:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in handle if line.endswith("kB\n")}
+        return info["MemAvailable"], info["MemTotal"]
+    except (OSError, KeyError, ValueError):
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
+def host_need(setup, cpu, ranks_here):
+    """Bytes of this machine's memory the plan takes: the host column (offloaded states, vLLM asleep) of each of
+    the `ranks_here` processes on it, and in a CPU run (no GPU: every column is host memory) their peak too."""
+    rows = plan(setup)
+    return ranks_here * (sum(row[4] for row in rows) + cpu * peak(rows))
+
+
+def fitting_flags(setup, limit, host=None):
     """Up to 4 flag sets under which the plan's peak is at most `limit` bytes, the least change of each kind: those
-    that fit alone, then pairs (or triples) of changes that do not. A micro-batch holds one sequence at least."""
-    ranks = [(f"torchrun --nproc-per-node {n}" if n <= 8 else f"torchrun --nnodes {n // 8} --nproc-per-node 8",
-              dict(ranks=n)) for n in (2, 4, 8, 16, 32, 64) if n > setup.ranks]
-    offload = [] if setup.offload else [("--offload-optimizer", dict(offload=True))]
+    that fit alone, then pairs (or triples) of changes that do not. A micro-batch holds one sequence at least.
+    host=(cpu, ranks_here): `limit` is this machine's memory, measured by host_need; more ranks and offloading do
+    not shrink it (they share the machine), a smaller Qwen3 (policy and the models of its shape) may."""
+    host_ranks = [] if host else [(f"torchrun --nproc-per-node {n}" if n <= 8 else
+                                   f"torchrun --nnodes {n // 8} --nproc-per-node 8", dict(ranks=n))
+                                  for n in (2, 4, 8, 16, 32, 64) if n > setup.ranks]
+    offload = [] if setup.offload or host else [("--offload-optimizer", dict(offload=True))]
     budgets = sorted({t for t in (2 ** 16, 2 ** 15, 2 ** 14, 2 ** 13, 2 ** 12, setup.sequence)
                       if setup.sequence <= t < setup.tokens}, reverse=True)
     tokens = [(f"--micro-batch-tokens {t}", dict(tokens=t)) for t in budgets]
@@ -160,14 +185,18 @@ def fitting_flags(setup, limit):
         (role, Shape(*dims) if role == "critic" else shape, head, train) for role, shape, head, train in setup.models)))
         for name, dims in reversed(QWEN3.items()) if own_critic and dims[6] == policy.vocab and dims[0] < policy.hidden]
     checkpointing = [] if setup.checkpointing else [("--gradient-checkpointing", dict(checkpointing=True))]
-    groups = [group for group in (ranks, offload, tokens, critics, checkpointing) if group]
+    sizes = [(f"--model {name}-Base", dict(models=tuple((role, Shape(*dims) if shape == policy else shape, head, train)
+                                                         for role, shape, head, train in setup.models)))
+             for name, dims in reversed(QWEN3.items()) if host and Shape(*dims).parameters() < policy.parameters()]
+    groups = [group for group in (host_ranks, offload, sizes, tokens, critics, checkpointing) if group]
+    need = (lambda changed: host_need(changed, *host)) if host else (lambda changed: peak(plan(changed)))
     found, fitting = [], set()
     for size in (1, 2, 3):
         for combination in itertools.combinations(groups, size):
             for index, choice in enumerate(itertools.product(*combination)):
                 texts = [text for text, _ in choice]
                 changes = {key: value for _, change in choice for key, value in change.items()}
-                if not fitting & set(texts) and peak(plan(dataclasses.replace(setup, **changes))) <= limit:
+                if not fitting & set(texts) and need(dataclasses.replace(setup, **changes)) <= limit:
                     found.append(" ".join(texts))  # alone: it and the larger changes of its kind leave the mixes
                     fitting |= {text for text, _ in combination[0][index:]} if size == 1 else set()
                     break
@@ -190,14 +219,18 @@ def setup_for(args, device, gpu_bytes):
     tokens = max(args.micro_batch_tokens, sequence) if args.micro_batch_tokens else args.micro_batch_size * sequence
     vllm = bool(gpu_bytes) and args.generator != "hf" and (  # planning for another GPU: vLLM, as recommended
         args.generator == "vllm" or not device.startswith("cuda") or importlib.util.find_spec("vllm") is not None)
+    share = args.gpu_memory_utilization * gpu_bytes if vllm else 0.0
+    if not gpu_bytes and args.generator == "vllm":  # vLLM's CPU build: a KV cache of --vllm-kv-cache-gib
+        vllm, share = True, args.vllm_kv_cache_gib * GIB
     return Setup(tuple(models), dist.world_size(), args.offload_optimizer, tokens, sequence,
                  args.gradient_checkpointing, 4 if args.dtype == "float32" or not gpu_bytes else 2,
-                 "vllm" if vllm else "hf", args.gpu_memory_utilization * gpu_bytes if vllm else 0.0), None
+                 "vllm" if vllm else "hf", share), None
 
 
 def check(args, trainer_file, device):
-    """Print the plan at the start of a real-model run (the tiny model: only with --gpu-memory-gib) and refuse
-    one whose peak exceeds the device: --gpu-memory-gib, else the free memory of a CUDA device (CPU: unchecked)."""
+    """Print the plan at the start of a real-model run (the tiny model: only with --gpu-memory-gib) and refuse one
+    that does not fit: a peak above the GPU (--gpu-memory-gib, else the free memory of the CUDA device), or above
+    this machine's available memory (host_refusal: a CPU run, or the host column on a GPU)."""
     from infra.tiny import is_tiny_model
     if is_tiny_model(args.model) and not args.gpu_memory_gib:
         return
@@ -207,10 +240,11 @@ def check(args, trainer_file, device):
     setup, why = setup_for(args, device, total)
     if setup is None:
         return print(f"memory plan: skipped, {why}")
-    target = f"{limit / GIB:.1f} GiB GPU" if limit else "CPU, unchecked (--gpu-memory-gib N plans for a GPU)"
+    available = host_memory()[0]
+    target = f"{limit / GIB:.1f} GiB GPU" if limit else f"CPU, {available / GIB:.1f} GiB available"
     rows = plan(setup)
-    print(table(rows, f"memory plan per GPU, {os.path.basename(trainer_file)}, {setup.ranks} "
-                      f"process{'es' * (setup.ranks > 1)}, {target}"))
+    print(table(rows, f"memory plan per {'GPU' if limit else 'process'}, {os.path.basename(trainer_file)}, "
+                      f"{setup.ranks} process{'es' * (setup.ranks > 1)}, {target}"))
     if limit and peak(rows) > limit:
         found = fitting_flags(setup, limit)
         source = "--gpu-memory-gib" if args.gpu_memory_gib else f"free on {device}"
@@ -218,6 +252,26 @@ def check(args, trainer_file, device):
             "no mix of more ranks, --offload-optimizer, a smaller --micro-batch-tokens or --critic-model fits")
         raise UserError(f"the memory plan needs {peak(rows) / GIB:.1f} GiB per GPU, more than the {limit / GIB:.1f} "
                         f"GiB {source}: {advice}")
+    if limit and not device.startswith("cuda"):  # --gpu-memory-gib off a GPU: a plan for another machine
+        return
+    refusal = host_refusal(setup, available, not limit, int(os.environ.get("LOCAL_WORLD_SIZE", setup.ranks)))
+    if refusal:
+        raise UserError(refusal)
+
+
+def host_refusal(setup, available, cpu, ranks_here=1):
+    """The one-line refusal of a plan whose host_need exceeds this machine's `available` bytes, or None. Available,
+    not total, memory: as on a GPU (its free memory), what the other processes leave is what this run can have; a
+    plan above it swaps or is killed by the kernel after the model has loaded."""
+    need = host_need(setup, cpu, ranks_here)
+    if need <= available:
+        return None
+    found = fitting_flags(setup, available, (cpu, ranks_here))
+    advice = ("it fits with " + ", or with ".join(found)) if found else \
+        "no smaller Qwen3 --model, --micro-batch-tokens or --critic-model fits"
+    what = "a CPU run: every column" if cpu else f"the host column of {ranks_here} process{'es' * (ranks_here > 1)}"
+    return f"the memory plan needs {need / GIB:.1f} GiB of this machine's memory ({what}), more than the " \
+           f"{available / GIB:.1f} GiB available: {advice}"
 
 
 def gpus_needed(method, shape, offload, tokens, gpu_gib=80, utilization=0.3, sequence=PROMPT_TOKENS + 8192):

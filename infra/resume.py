@@ -16,9 +16,10 @@ from infra import UserError, dist
 from infra.checkpoint import _checkpoint_steps, find_checkpoint
 
 
-# What a resumed run may change on its command line: how long it trains, when it evaluates and saves, where it logs,
-# and how it runs on this machine (losses are exact for any micro-batch split); never what it computes. Everything
-# else comes from its saved settings (config.json, updated by the latest config.resume_<step>.json).
+# What a resumed run may change on its command line: how long it trains (unless its learning rate is scheduled over
+# its steps: fixed_steps), when it evaluates and saves, where it logs, and how it runs on this machine (losses are
+# exact for any micro-batch split); never what it computes. Everything else comes from its saved settings
+# (config.json, updated by the latest config.resume_<step>.json).
 RESUME_MAY_CHANGE = ("steps", "eval_every", "save_every", "keep_checkpoints", "max_skipped_updates", "tensorboard",
                      "wandb_project", "eval_only", "device", "gpu_memory_utilization", "vllm_kv_cache_gib",
                      "micro_batch_size", "micro_batch_tokens", "gradient_checkpointing")
@@ -46,6 +47,27 @@ def _new_run_hint(checkpoint):
     if checkpoint:
         return f"start a new run from its weights: --model {os.path.join(checkpoint, 'policy')} --run-name NAME"
     return "start a new run: --run-name NAME without --resume"
+
+
+def fixed_steps(settings):
+    """Why a run that has trained keeps its --steps on --resume, or None. A learning rate scheduled over the run's
+    steps (SPO's --lr-schedule warmup-decay: a linear decay to 0 at the last one) cannot be stretched exactly: a
+    schedule recomputed over new steps jumps (a finished run, decayed to ~0, would restart near half its peak with
+    --steps 2N), and the old one kept would train past its end at lr 0. So a resume keeps the schedule, and its
+    steps; a run trains further as a new run from its weights, with a schedule of its own. `settings`: a dict."""
+    schedule = settings.get("lr_schedule", "constant")
+    return None if schedule == "constant" else \
+        f"its learning rate follows --lr-schedule {schedule} over its {settings['steps']} steps"
+
+
+def train_further(settings, run_dir, step):
+    """The command that trains a run of `step` finished steps further: a resume with twice the steps, or, for a run
+    whose steps are fixed (fixed_steps), a new run from its last checkpoint's weights."""
+    reason = fixed_steps(settings)
+    if reason:
+        return f"{_new_run_hint(os.path.join(run_dir, 'checkpoints', f'step_{step:06d}'))} (a resume keeps " \
+               f"--steps {settings['steps']}: {reason})"
+    return command("--resume", run_dir, "--steps", 2 * step)
 
 
 def resume_point(resume):
@@ -97,10 +119,15 @@ def check_resume(args, saved, run_dir, checkpoint, step):
         allowed = ", ".join("--" + name.replace("_", "-") for name in RESUME_MAY_CHANGE)
         raise UserError(f"--resume {run_dir}: a resumed run keeps its saved settings, and {asked} would change them "
                         f"(a resume may change only {allowed}); for other settings, {_new_run_hint(checkpoint)}")
+    reason = fixed_steps(dataclasses.asdict(saved))
+    if "steps" in changed and step and reason:  # no step trained yet: a schedule over the new steps is exact
+        raise UserError(f"--resume {run_dir}: --steps {args.steps} (saved: {saved.steps}) would change the learning "
+                        f"rate of the steps to come ({reason}; an exact resume keeps it): resume with --steps "
+                        f"{saved.steps}, or to train longer, {_new_run_hint(checkpoint)}")
     if not args.eval_only and step >= args.steps:
         if dist.rank() == 0:
             print(f"{run_dir} is finished: {step} of {args.steps} steps done. To train it further: "
-                  f"{command('--resume', run_dir, '--steps', 2 * step)}", file=sys.stderr)
+                  f"{train_further(dataclasses.asdict(args), run_dir, step)}", file=sys.stderr)
         raise SystemExit(0)
     where = f"from {os.path.basename(checkpoint)}" if checkpoint else "again from step 0 (no checkpoint yet)"
     if dist.rank() == 0:
@@ -127,10 +154,10 @@ def run_directory(args, trainer_file):
     steps = _checkpoint_steps(os.path.join(path, "checkpoints"))
     metrics = os.path.join(path, "metrics.jsonl")
     if steps or os.path.exists(metrics) and os.path.getsize(metrics):
-        planned = saved_settings(path).get("steps", 0) if os.path.exists(os.path.join(path, "config.json")) else 0
-        if steps and steps[-1] >= planned:
+        saved = saved_settings(path) if os.path.exists(os.path.join(path, "config.json")) else {}
+        if steps and steps[-1] >= saved.get("steps", 0):
             raise UserError(f"{path} already holds a finished run ({steps[-1]} steps): to train it further: "
-                            f"{command('--resume', path, '--steps', 2 * steps[-1])}; or pass another --run-name")
+                            f"{train_further(saved, path, steps[-1])}; or pass another --run-name")
         held = f"checkpoint step_{steps[-1]:06d}" if steps else "logged steps, no checkpoint yet"
         raise UserError(f"{path} already holds a run ({held}): continue it with: {command('--resume', path)}; "
                         "or pass another --run-name")

@@ -16,14 +16,14 @@ import time
 import torch
 from tqdm import tqdm
 
-from infra import UserError, data, dist, memory
-from infra.checkpoint import _checkpoint_steps, load_checkpoint, save_checkpoint, seed_everything
+from infra import UserError, data, dist, memory, verifier
+from infra.checkpoint import _checkpoint_steps, load_checkpoint, rng_state, save_checkpoint, seed_everything
 from infra.cli import check_integrations
 from infra.engine import check_generator, make_generator
 from infra.evaluate import eval_table, evaluate
 from infra.hub import check_model_source
 from infra.log import Logger
-from infra.resume import WHERE, command, resume_point, run_directory, saved_settings
+from infra.resume import WHERE, command, fixed_steps, resume_point, run_directory, saved_settings, train_further
 
 
 def run_main(main):
@@ -130,6 +130,7 @@ class Run:
                                                                     self.eval_sets.items()), sep="\n")
         self.probe_rows = next(iter(self.eval_sets.values()))  # held-out prompts of the critic probes
         self.skipped_in_a_row, self.stopping, self.saved, self.first_eval, self.last = 0, False, False, {}, (0, {})
+        self.step_rng, self.updated_step = None, None  # the RNG states as the current step began; its last update
         self.trainer, self.started = os.path.basename(trainer_file), time.time()
         seed_everything(args.seed)
 
@@ -145,6 +146,9 @@ class Run:
         if dist.rank() == 0:  # EOS, generation_config's EOS ids, the chat template's turn end (stop_token_ids)
             print("rollouts stop at " + ", ".join(f"{tokenizer.convert_ids_to_tokens(i)} ({i})"
                                                    for i in self.generator.stop_ids))
+        if not all(name.startswith("builtin") for name in (self.args.dataset, *self.args.eval_datasets)):
+            verifier.CHECKER.prestart()  # the answer checker starts beside the first rollout, not in its first check
+            # (the built-in task's answers are numbers, compared in-process: it seldom needs the checker at all)
         return self.generator
 
     def resume_record(self):
@@ -231,6 +235,7 @@ class Run:
                 due = step == self.start_step or (self.args.eval_every and step % self.args.eval_every == 0)
                 metrics = self.evaluate() if due else {}
                 self.first_eval = self.first_eval or metrics
+                self.step_rng = rng_state()  # what a checkpoint of this step's start holds (update_ok)
                 yield step, metrics
                 if self.stopping:
                     break
@@ -243,14 +248,25 @@ class Run:
 
     def update_ok(self, step, *grad_norms):
         """Whether an optimizer step may be taken: all gradient norms finite. After --max-skipped-updates
-        non-finite ones in a row the run stops, with a checkpoint of the last good state."""
+        non-finite ones in a row the run stops with the state of the step's start, the last whole one: saved as
+        checkpoint step_<step> (weights, optimizers and the RNG states as the step began: a resume repeats the step
+        exactly) if no update of this step was taken; else it is gone (keeping a copy would cost the weights and
+        optimizer states again), nothing is saved, and the message names the latest checkpoint to resume from."""
         finite = all(bool(torch.isfinite(norm)) for norm in grad_norms)
         self.skipped_in_a_row = 0 if finite else self.skipped_in_a_row + 1
-        if self.skipped_in_a_row >= self.args.max_skipped_updates:
-            path = self.save(step)
-            raise UserError(f"{self.skipped_in_a_row} non-finite updates in a row at step {step}; "
-                            f"the last good state is saved in {path}")
-        return finite
+        self.updated_step = step if finite else self.updated_step
+        if self.skipped_in_a_row < self.args.max_skipped_updates:
+            return finite
+        stop = f"{self.skipped_in_a_row} non-finite updates in a row at step {step}"
+        if self.updated_step != step:
+            raise UserError(f"{stop}; the last good state is saved in {self.save(step, self.step_rng)} (as step "
+                            f"{step} began)")
+        steps = [done for done in _checkpoint_steps(os.path.join(self.dir, "checkpoints")) if done <= step]
+        latest = os.path.join(self.dir, "checkpoints", f"step_{steps[-1]:06d}") if steps else None
+        again = command("--resume", self.dir) if self.logger.records else command(*sys.argv[1:])  # no folder left
+        raise UserError(f"{stop}, after updates of that step, so the weights hold part of it and nothing is saved; "
+                        + (f"the last good state is {latest}: continue with {command('--resume', latest)}" if latest
+                           else f"no checkpoint was saved before it; to start again: {again}"))
 
     def end_step(self, step, metrics):
         """After a step's update: the evaluation after the last one, the log line and record, the checkpoint
@@ -276,17 +292,19 @@ class Run:
                 lines.append(f"  {key}: {first:.4f} at step {self.start_step} -> {last_metrics[key]:.4f} at step "
                              f"{steps_done}")
         checkpoint = os.path.join(self.dir, "checkpoints", f"step_{steps_done:06d}", "policy")
-        more = max(self.args.steps, 2 * steps_done)
-        lines.append(f"  continue: {command('--resume', self.dir, '--steps', more)}")
+        settings = dataclasses.asdict(self.args)
+        more = self.args.steps if fixed_steps(settings) else max(self.args.steps, 2 * steps_done)
+        lines.append("  continue: " + (train_further(settings, self.dir, steps_done) if more == steps_done else
+                                       command("--resume", self.dir, "--steps", more)))
         digits = ("--dataset", self.args.dataset) if self.args.dataset.startswith("builtin:") and \
             "builtin" in self.args.eval_datasets else ()  # `builtin` evaluates the digits trained on
         evaluate = command('--eval-only', '--model', checkpoint, *digits, '--eval-datasets', *self.args.eval_datasets)
         lines.append(f"  evaluate: {evaluate}")
         return "\n".join(lines)
 
-    def save(self, step):
+    def save(self, step, rng=None):
         self.saved = True
         signals = getattr(self, "signals", None)
         with signals.writing() if signals else contextlib.nullcontext():
             return save_checkpoint(self.dir, step, self.models, self.optimizers, self.tokenizer,
-                                   self.args.keep_checkpoints)
+                                   self.args.keep_checkpoints, rng)

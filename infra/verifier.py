@@ -2,7 +2,8 @@
 warmed math-verify once. The zygote is a plain subprocess (`python -m infra.verifier`), so it never imports the
 caller's __main__: common.verify works in unguarded scripts and notebooks. A check that misses its deadline kills
 its checker (stuck in sympy, where no signal or thread can stop it) and swaps to a spare checker forked ahead of
-time, so nothing after the deadline waits for a fork. Model text is parsed as LaTeX, never evaluated.
+time, so nothing after the deadline waits for a fork. A run launches the zygote beside its first rollout (prestart),
+so no check waits for its start. Model text is parsed as LaTeX, never evaluated.
 """
 import collections
 import contextlib
@@ -114,11 +115,12 @@ class _Verifier:
     checker and moves on to a spare at once; the zygote forks the replacement in the background."""
 
     def __init__(self):
-        self.process = self.control = None
+        self.process = self.control = self.log = None
         self.checkers = collections.deque()  # (pid, connection): the one in use first, then the spares
         self.pending = 0  # forks asked of the zygote and not yet received
         self.start_s = None  # how long the last start took
         self.owner = None  # the pid of the process that started them
+        self.began = None  # when the zygote in start was launched; None once it is ready
 
     def alive(self):
         return self.process is not None and self.process.poll() is None
@@ -126,8 +128,24 @@ class _Verifier:
     def start(self):
         """(Re)start the zygote and fork the checkers: once per process (about 1-15 s), or after the zygote died.
         Raises RuntimeError saying what happened when it cannot start."""
-        begin = time.monotonic()
         self.close()
+        self._launch()
+        self._finish_start()
+
+    def prestart(self):
+        """Launch the zygote and return at once, if this process has none: its start (1-2 s, more on a busy machine:
+        importing and warming math-verify) then runs beside the caller's work instead of inside the first check,
+        which would wait for it (Run.start calls it once the rollout engine is up). The first check waits only for
+        what is left of the start."""
+        if self.owner != os.getpid():
+            self._forget()
+        if not self.alive():
+            self.close()
+            self._launch()
+
+    def _launch(self):
+        """Start the zygote process (`python -m infra.verifier`); _finish_start waits for it to be ready."""
+        self.began = time.monotonic()
         self.owner = os.getpid()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -148,8 +166,14 @@ class _Verifier:
             theirs.close()
             if caller_stderr >= 0:
                 os.close(caller_stderr)
-        self.control = ours
-        ready = select.select([ours], [], [], START_TIMEOUT_S)[0] and ours.recv(16)
+        self.control, self.log = ours, log
+
+    def _finish_start(self):
+        """Wait for the launched zygote's "ready" and fork the checkers. Raises RuntimeError saying what happened when
+        it cannot start."""
+        ours, log = self.control, self.log
+        wait = max(0.0, START_TIMEOUT_S - (time.monotonic() - self.began))
+        ready = select.select([ours], [], [], wait)[0] and ours.recv(16)
         if ready != b"ready":
             try:
                 code = self.process.wait(10)  # it is exiting: its exit code says how
@@ -164,11 +188,12 @@ class _Verifier:
             raise RuntimeError(f"the math-verify checker ({sys.executable} -m infra.verifier) {what}: "
                                f"{lines[-1] if lines else 'no output'}{hint}")
         log.close()
+        self.log = None
         for _ in range(1 + SPARES):
             self._ask_fork()
         while self.pending:
             self._receive_fork(block=True)
-        self.start_s = time.monotonic() - begin
+        self.start_s, self.began = time.monotonic() - self.began, None
 
     def close(self):
         """Stop the zygote and its checkers (they exit when their socket closes)."""
@@ -182,7 +207,9 @@ class _Verifier:
         if self.process is not None:
             self.process.kill()
             self.process.wait()
-        self.process = self.control = None
+        if self.log is not None:
+            self.log.close()
+        self.process = self.control = self.log = self.began = None
         self.pending = 0
 
     def _forget(self):
@@ -192,7 +219,7 @@ class _Verifier:
         self.checkers.clear()
         if self.control is not None:
             self.control.close()
-        self.process = self.control = None
+        self.process = self.control = self.log = self.began = None
         self.pending = 0
 
     def _ask_fork(self):
@@ -214,11 +241,14 @@ class _Verifier:
 
     def check(self, gold, answer, deadline):
         """1.0 / 0.0, or 0.0 and a counted timeout past `deadline` (time.monotonic()). Getting a checker is not
-        charged to the answer's deadline: a spare is there at once after a kill, and the one-time start (or a restart
-        after the zygote died) is added to the deadline, as is a wait for a fork in the rare case there is no spare."""
+        charged to the answer's deadline: a spare is there at once after a kill, and the one-time start (or what is
+        left of it after prestart, or a restart after the zygote died) is added to the deadline, as is a wait for a
+        fork in the rare case there is no spare."""
         begin = time.monotonic()
         if self.owner != os.getpid():  # a fork of the process that started them: it starts its own
             self._forget()
+        if self.began is not None and self.alive():  # prestarted: the rest of its start
+            self._finish_start()
         try:
             while self.pending and self._receive_fork(block=not self.checkers):
                 pass

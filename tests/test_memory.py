@@ -183,6 +183,95 @@ def test_sp3o_with_a_4b_config_prints_the_plan_and_refuses_in_one_line(tmp_path)
     assert not os.path.exists(tmp_path / "runs")
 
 
+def qwen3_4b_config(directory):
+    """A directory holding only config.json with Qwen3-4B's published shapes (QWEN3_4B), no weights."""
+    from transformers import Qwen3Config
+    Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                ).save_pretrained(directory)
+    return str(directory)
+
+
+def test_sp3o_with_a_4b_config_on_this_cpu_machine_is_refused_in_one_line(tmp_path):
+    """`sp3o.py --model <Qwen3-4B config>` with no GPU: the plan (float32 on CPU, HF generate) needs far more than
+    this machine's memory; refused in one line naming both, before the data, the run folder or any weights."""
+    if memory.host_memory()[0] > 800 * GIB:
+        pytest.skip("this machine has the memory of the 4B CPU plan (738.9 GiB)")
+    result = subprocess.run([sys.executable, "sp3o.py", "--model", qwen3_4b_config(tmp_path / "qwen3-4b"),
+                             "--output-dir", str(tmp_path / "runs")], cwd=REPO, capture_output=True, text=True,
+                            timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, lines
+    assert lines[0].startswith("sp3o.py: error: the memory plan needs 738.9 GiB of this machine's memory (a CPU run: "
+                               "every column), more than the ") and " GiB available: " in lines[0], lines[0]
+    assert "memory plan per process, sp3o.py, 1 process, CPU, " in result.stdout  # the plan, printed first
+    assert "builtin:" not in result.stdout and "cannot load model" not in result.stderr  # no data, no weights read
+    assert not os.path.exists(tmp_path / "runs")
+
+
+def sp3o_4b(**changes):
+    """SP3O on Qwen3-4B with its own 4B critic, as setup_for makes it on CPU (float32 compute, HF generate)."""
+    models = (("policy", QWEN3_4B, 0, True), ("critic", QWEN3_4B, 1, True))
+    return Setup(models, **{**dict(tokens=73728, sequence=9216, compute_bytes=4, engine="hf"), **changes})
+
+
+def test_host_refusal_against_a_stated_host_size():
+    """The decision, with the host's memory given (not this machine's): a CPU run needs the larger phase of its plan
+    plus the host column, per process on the machine; a GPU run with --offload-optimizer its host column: float32
+    weights, gradients and AdamW states of policy and critic (16 bytes per trained parameter, sharded over the
+    ranks) and vLLM's sleeping bf16 policy (2 bytes per parameter, each rank)."""
+    policy, critic = QWEN3_4B.parameters(), QWEN3_4B.parameters(value_head=1)
+    cpu = sp3o_4b()
+    rows = memory.plan(cpu)
+    need = max(sum(row[2] for row in rows), sum(row[3] for row in rows))
+    assert memory.host_need(cpu, True, 1) == need and memory.host_need(cpu, True, 2) == 2 * need
+    assert memory.host_refusal(cpu, need, True) is None  # exactly enough
+    line = memory.host_refusal(cpu, 24 * GIB, True)
+    assert line == (f"the memory plan needs {need / GIB:.1f} GiB of this machine's memory (a CPU run: every column), "
+                    "more than the 24.0 GiB available: no smaller Qwen3 --model, --micro-batch-tokens or "
+                    "--critic-model fits")
+    gpu = Setup(cpu.models, ranks=8, offload=True, tokens=16384, sequence=9216, engine_bytes=24 * GIB)
+    host = 8 * (16 * (policy + critic) / 8 + 2 * policy)  # eight ranks on one machine
+    assert memory.host_need(gpu, False, 8) == pytest.approx(host)
+    assert memory.host_refusal(gpu, host, False, 8) is None
+    line = memory.host_refusal(gpu, 100 * GIB, False, 8)
+    assert line.startswith(f"the memory plan needs {host / GIB:.1f} GiB of this machine's memory (the host column of "
+                           "8 processes), more than the 100.0 GiB available: it fits with --model Qwen3-1.7B-Base")
+    for flags in line.split("it fits with ")[1].split(", or with "):  # each offered change fits, and shrinks the plan
+        size = flags.split()[1]
+        smaller = dataclasses.replace(gpu, models=tuple((role, Shape(*QWEN3[size[:-5]]), head, train)
+                                                        for role, _, head, train in gpu.models))
+        assert memory.host_need(smaller, False, 8) <= 100 * GIB
+    # a CPU run whose plan a flag brings under the machine's memory: 0.6B GRPO, micro-batches of one sequence
+    grpo = Setup((("policy", Shape(*QWEN3["Qwen3-0.6B"]), 0, True),), tokens=4 * 9216, sequence=9216,
+                 compute_bytes=4, engine="hf")
+    found = memory.fitting_flags(grpo, memory.host_need(dataclasses.replace(grpo, tokens=9216), True, 1) + 1,
+                                 (True, 1))
+    assert found and all(text.startswith(("--micro-batch-tokens", "--model")) for text in found)
+
+
+def test_a_cpu_run_with_vllm_plans_its_kv_cache(tmp_path):
+    """vLLM's CPU build holds --vllm-kv-cache-gib of KV cache and its own bf16 weights, not HF generate's cache."""
+    import sp3o
+    directory = qwen3_4b_config(tmp_path / "qwen3-4b")
+    args = infra.cli.parse_args(sp3o.Args, None, ["--model", directory, "--generator", "vllm", "--vllm-kv-cache-gib",
+                                                  "3"])
+    setup, why = memory.setup_for(args, "cpu", 0)
+    assert why is None and (setup.engine, setup.engine_bytes, setup.compute_bytes) == ("vllm", 3 * GIB, 4)
+    engine = next(row for row in memory.plan(setup) if row[0] == "engine")
+    assert engine[2:] == (0, 3 * GIB, 2 * QWEN3_4B.parameters())
+    setup, _ = memory.setup_for(infra.cli.parse_args(sp3o.Args, None, ["--model", directory]), "cpu", 0)
+    assert setup.engine == "hf"
+
+
+def test_the_plan_table_keeps_every_label_in_120_columns():
+    printed = memory.table(memory.plan(Setup(sp3o_4b().models, offload=True, engine_bytes=24 * GIB)), "memory plan")
+    assert "float32, policy 4.02B + critic 4.02B, over 1 rank, in host memory " in printed  # was cut: "in host me"
+    assert printed.splitlines()[0].endswith("   update  rollout     host")
+    assert max(map(len, printed.splitlines())) <= 120
+
+
 def test_no_plan_for_the_tiny_demo_and_one_line_for_a_hub_model_not_on_disk(capsys, monkeypatch):
     import sp3o
     memory.check(infra.cli.parse_args(sp3o.Args, sp3o.TINY_PRESET, []), "sp3o.py", "cpu")

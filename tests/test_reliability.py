@@ -2,6 +2,7 @@
 non-finite updates skipped, Ctrl-C and SIGTERM save, no start leaves a folder that blocks both resuming and
 restarting, checkpoints atomic under SIGKILL, and --resume continues exactly (step for step, bit for bit) with the
 run's saved settings."""
+import dataclasses
 import glob
 import importlib
 import json
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -188,6 +190,22 @@ def test_sp3o_anchors_outside_unit_interval_refused(ratios, monkeypatch, capsys,
     assert "--anchor-ratios" in refusal(monkeypatch, capsys, "sp3o", "--anchor-ratios", *ratios)
 
 
+@pytest.mark.skipif("sp3o" not in TRAINERS, reason="sp3o.py is not there")
+@pytest.mark.parametrize("ratios", [["0.6", "0.3", "0.9"], ["0.3", "0.3", "0.9"], ["0.9", "0.6"], ["1", "1"]])
+def test_sp3o_anchors_unsorted_or_repeated_refused(ratios, monkeypatch, capsys, no_model):
+    """The released code refuses them (slime/utils/sp3o.py _validated_ratios: unique, then sorted)."""
+    message = refusal(monkeypatch, capsys, "sp3o", "--anchor-ratios", *ratios)
+    assert "--anchor-ratios" in message and "sorted unique" in message
+
+
+@pytest.mark.skipif("sp3o" not in TRAINERS, reason="sp3o.py is not there")
+@pytest.mark.parametrize("ratios", [["1"], ["0.3", "1"], ["0.2", "0.5", "0.8"]])
+def test_sp3o_sorted_unique_anchors_accepted(ratios, monkeypatch, no_model):
+    monkeypatch.setattr(sys, "argv", ["sp3o.py", "--anchor-ratios", *ratios])
+    with pytest.raises(ModelLoaded):  # past every check, to the model load
+        importlib.import_module("sp3o").main()
+
+
 def test_skip_bad_rows_gets_past_the_data(tmp_path, monkeypatch, capsys, no_model):
     bad = write(tmp_path / "bad.jsonl", '{"question": "1+1", "answer": "2"}\n{"question": \n')
     monkeypatch.setattr(sys, "argv", ["grpo.py", "--dataset", bad, "--skip-bad-rows"])
@@ -292,17 +310,24 @@ def assert_same(a, b):
 @pytest.fixture
 def poison(monkeypatch):
     """poison(steps): the trainer's log-probs become NaN in the update phase (grad enabled) of those steps, so
-    the loss and gradient norm are NaN there; the rollout's log-probs stay finite."""
+    the loss and gradient norm are NaN there; the rollout's log-probs stay finite. The first `finite_forwards`
+    update forwards of each of those steps stay finite (with one micro-batch per mini-batch: its first updates are
+    taken). poison(set()) ends it."""
     current, real_rows, real_logprobs = {"step": None}, infra.data.step_rows, common.response_logprobs
 
     def step_rows(rows, step, count, seed):
         current["step"] = step
         return real_rows(rows, step, count, seed)
 
-    def apply(steps):
+    def apply(steps, finite_forwards=0):
+        forwards = {}
+
         def response_logprobs(model, batch, temperature=1.0):
             logprobs = real_logprobs(model, batch, temperature)
-            return logprobs * float("nan") if torch.is_grad_enabled() and current["step"] in steps else logprobs
+            if torch.is_grad_enabled() and current["step"] in steps:
+                forwards[current["step"]] = forwards.get(current["step"], 0) + 1
+                return logprobs * float("nan") if forwards[current["step"]] > finite_forwards else logprobs
+            return logprobs
         monkeypatch.setattr(infra.data, "step_rows", step_rows)
         monkeypatch.setattr(common, "response_logprobs", response_logprobs)
     return apply
@@ -338,6 +363,66 @@ def test_non_finite_updates_in_a_row_stop_with_a_checkpoint(monkeypatch, tmp_pat
     assert_same(tensors(saved), load_file(os.path.join(tiny_path, "model.safetensors")))  # never updated
     assert trainer_state(saved)["fresh_optimizers"] == ["policy"]  # Adam never stepped: resumes with empty state
     assert records(run_dir)[0]["skipped_updates"] == 1.0
+
+
+def resume_grpo(monkeypatch, path):
+    monkeypatch.setattr(sys, "argv", ["grpo.py", "--resume", str(path)])
+    importlib.import_module("grpo").main()
+
+
+def test_non_finite_stop_before_any_update_of_the_step_saves_its_start(monkeypatch, tmp_path, poison):
+    """Both updates of step 2 non-finite (--max-skipped-updates 2): the run stops with step 2's start saved, the RNG
+    states as it began included, so the checkpoint equals a straight run's step_000002 and a resume repeats step 2
+    exactly (a save of the RNG states as they were mid-step would sample step 2's rollout differently)."""
+    straight = run_grpo(monkeypatch, tmp_path / "straight", "--steps", 4, "--save-every", 1, "--keep-checkpoints", 9)
+    poison({2})
+    with pytest.raises(infra.UserError, match=r"2 non-finite updates in a row at step 2; the last good state is "
+                                               r"saved in .*step_000002 \(as step 2 began\)"):
+        run_grpo(monkeypatch, tmp_path / "poisoned", "--steps", 4, "--save-every", 0, "--max-skipped-updates", 2)
+    poisoned = os.path.join(tmp_path, "poisoned", "run")
+    saved, reference = (os.path.join(run, "checkpoints", "step_000002") for run in (poisoned, straight))
+    assert_same(trainer_state(saved), trainer_state(reference))  # weights, Adam, RNG states
+    assert_same(tensors(saved), tensors(reference))
+    poison(set())
+    resume_grpo(monkeypatch, poisoned)
+    assert_same_records(records(poisoned), records(straight), 4)
+    assert_same(tensors(os.path.join(poisoned, "checkpoints", "step_000004")),
+                tensors(os.path.join(straight, "checkpoints", "step_000004")))
+
+
+def test_non_finite_stop_after_an_update_of_the_step_resumes_from_the_step_before(monkeypatch, tmp_path, poison):
+    """Step 2's first update taken, its second non-finite (--max-skipped-updates 1): the weights hold half of step 2,
+    so nothing is saved (a checkpoint of them, resumed, would apply step 2's first update again), and the message
+    names the last whole state, step_000002 saved after step 1; resumed from it, the run equals a straight one."""
+    straight = run_grpo(monkeypatch, tmp_path / "straight", "--steps", 4, "--save-every", 1, "--keep-checkpoints", 9)
+    poison({2}, finite_forwards=1)
+    poisoned = os.path.join(tmp_path, "poisoned", "run")
+    last = os.path.join(poisoned, "checkpoints", "step_000002")
+    with pytest.raises(infra.UserError) as error:
+        run_grpo(monkeypatch, tmp_path / "poisoned", "--steps", 4, "--save-every", 1, "--max-skipped-updates", 1)
+    assert str(error.value) == ("1 non-finite updates in a row at step 2, after updates of that step, so the weights "
+                                f"hold part of it and nothing is saved; the last good state is {last}: continue "
+                                f"with python grpo.py --resume {last}")
+    assert infra.checkpoint._checkpoint_steps(os.path.join(poisoned, "checkpoints")) == [1, 2]
+    assert_same(tensors(last), tensors(os.path.join(straight, "checkpoints", "step_000002")))
+    poison(set())
+    resume_grpo(monkeypatch, last)
+    assert_same_records(records(poisoned), records(straight), 4)
+    assert_same(tensors(os.path.join(poisoned, "checkpoints", "step_000004")),
+                tensors(os.path.join(straight, "checkpoints", "step_000004")))
+
+
+def test_non_finite_stop_in_step_0_leaves_nothing_and_names_the_command(monkeypatch, capsys, tmp_path, poison):
+    """Half of step 0 taken, then non-finite: no checkpoint, no logged step, so no folder is left (infra.run.Run.close)
+    and the message gives the command that starts the run again."""
+    poison({0}, finite_forwards=1)
+    argv = [*SMALL, "--steps", 2, "--max-skipped-updates", 1, "--run-name", "r", "--output-dir", tmp_path]
+    code, _, err = main_of(monkeypatch, capsys, *argv)
+    assert code == 2 and not os.path.exists(tmp_path / "r")
+    assert err.strip().splitlines()[-1] == (
+        "grpo.py: error: 1 non-finite updates in a row at step 0, after updates of that step, so the weights hold part "
+        "of it and nothing is saved; no checkpoint was saved before it; to start again: python grpo.py "
+        + shlex.join(map(str, argv)))
 
 
 def test_ctrl_c_saves_and_exits_cleanly(monkeypatch, tmp_path):
@@ -493,6 +578,58 @@ def test_resume_takes_the_saved_settings_and_records_changes(monkeypatch, capsys
     assert f"--resume continues {run_dir} in place" in other
     assert sorted(os.path.basename(path) for path in glob.glob(os.path.join(run_dir, "config*.json"))) == \
         ["config.json", "config.resume_000002.json"]  # refusals write nothing
+
+
+def spo_run_folder(tmp_path, name, trained_steps, *flags):
+    """A run folder as spo.py leaves it, for what --resume reads before any model loads: config.json (the settings
+    of `spo.py --steps 4 flags`) and a checkpoint after `trained_steps` steps (its trainer_state.pt)."""
+    import infra.cli
+    spo = importlib.import_module("spo")
+    args = infra.cli.parse_args(spo.Args, spo.TINY_PRESET, ["--steps", "4", *map(str, flags)])
+    checkpoint = tmp_path / name / "checkpoints" / f"step_{trained_steps:06d}"
+    os.makedirs(checkpoint)
+    with open(tmp_path / name / "config.json", "w") as handle:
+        json.dump(dataclasses.asdict(args), handle)
+    torch.save({"step": trained_steps, "models": ["policy"], "fresh_optimizers": []}, checkpoint / "trainer_state.pt")
+    return str(tmp_path / name), args
+
+
+@pytest.mark.skipif("spo" not in TRAINERS, reason="spo.py is not there")
+def test_spo_resume_keeps_its_learning_rate_schedule(monkeypatch, capsys, tmp_path, no_model):
+    """SPO's learning rate decays to 0 over the run's optimizer steps (spo.lr_factor, total steps x epochs x
+    mini-batches): a resume that changed --steps would change it (a finished run, decayed to ~0, would restart near
+    half its peak). A run that has trained keeps its --steps, saying why; every hint that offers --steps 2N names a
+    new run from its weights instead; a run of constant learning rate, or one with no step trained, may change it."""
+    spo = importlib.import_module("spo")
+    run_dir, args = spo_run_folder(tmp_path, "decay", 2)
+    total = args.steps * args.epochs * args.mini_batches  # the schedule a change would break: half-way at step 2
+    assert spo.lr_factor(2 * args.epochs * args.mini_batches, total) == pytest.approx(0.5, abs=0.05)
+    line = refusal(monkeypatch, capsys, "spo", "--resume", run_dir, "--steps", 8)
+    assert f"--resume {run_dir}: --steps 8 (saved: 4) would change the learning rate of the steps to come (its " \
+           "learning rate follows --lr-schedule warmup-decay over its 4 steps; an exact resume keeps it)" in line
+    assert f"start a new run from its weights: --model {run_dir}/checkpoints/step_000002/policy" in line
+    for argv in (["--resume", run_dir], ["--resume", run_dir, "--steps", 4],  # unchanged: resumes
+                 ["--resume", spo_run_folder(tmp_path, "constant", 2, "--lr-schedule", "constant")[0], "--steps", 8]):
+        monkeypatch.setattr(sys, "argv", ["spo.py", *map(str, argv)])
+        with pytest.raises(ModelLoaded):
+            spo.main()
+    finished, args = spo_run_folder(tmp_path, "finished", 4)
+    further = f"start a new run from its weights: --model {finished}/checkpoints/step_000004/policy --run-name NAME " \
+              "(a resume keeps --steps 4: its learning rate follows --lr-schedule warmup-decay over its 4 steps)"
+    monkeypatch.setattr(sys, "argv", ["spo.py", "--resume", finished])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        infra.run.run_main(spo.main)
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().err.strip() == f"{finished} is finished: 4 of 4 steps done. To train it further: " \
+                                              f"{further}"
+    clash = refusal(monkeypatch, capsys, "spo", "--run-name", "finished", "--output-dir", tmp_path)
+    assert clash.endswith(f"already holds a finished run (4 steps): to train it further: {further}; or pass another "
+                          "--run-name")
+    run = SimpleNamespace(trainer="spo.py", start_step=2, started=time.time(), dir=finished, first_eval={}, args=args)
+    assert f"  continue: {further}" in infra.run.Run.summary(run, 4, {}).splitlines()
+    assert f"  continue: python spo.py --resume {run_dir} --steps 4" in \
+        infra.run.Run.summary(SimpleNamespace(**{**vars(run), "dir": run_dir}), 2, {}).splitlines()
 
 
 @pytest.mark.parametrize("first, second", [(signal.SIGINT, signal.SIGINT), (signal.SIGTERM, signal.SIGINT),

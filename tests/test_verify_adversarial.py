@@ -1,6 +1,7 @@
 """Answer checking under hostile model output: every response is scored within 2 s of wall time (a timeout
 scores 0 and is counted), the first one after the checker starts included, nothing crashes, nothing is evaluated as
 code; the checker starts from any script, guarded by `if __name__ == "__main__":` or not. Prints the worst time."""
+import importlib
 import json
 import os
 import signal
@@ -138,6 +139,52 @@ def test_adversarial_corpus_is_bounded_from_a_fresh_process(tmp_path, capsys):
               f"{measured['start_s']:.2f} s (not charged to a response)")
     assert worst[0] < BOUND_S, f"{worst[1]}: {worst[0]:.3f} s"
     assert not os.path.exists("/tmp/rl_reasoning_pwned")  # model text was never run
+
+
+FIRST_CHECK = """
+import json, select, sys, time
+import common, infra.verifier
+checker, tower = infra.verifier.CHECKER, "\\\\boxed{{9^{{9^{{9^{{9^{{9}}}}}}}}}}"
+if {prestart}:  # as Run.start does once the rollout engine is up; the first rollout then runs meanwhile
+    checker.prestart()
+    select.select([checker.control], [], [], 120)  # the first rollout's time: the zygote is ready when it ends
+start = time.monotonic()
+score = common.verify(tower, "1")
+print(json.dumps([score, time.monotonic() - start, checker.start_s]))
+"""
+
+
+def test_the_first_check_of_a_run_keeps_its_budget(tmp_path):
+    """The first check of a process waited for the one-time start of the checker (1-3 s here), then got its whole
+    budget: a hostile first answer came back after the start plus 1.5 s. Prestarted beside the first rollout
+    (Run.start), the first hostile answer comes back within the budget plus 0.5 s (benchmarks/verify_deadline.py
+    measures it on a loaded machine against budget + 0.2 s)."""
+    measured = {}
+    for prestart in (True, False):
+        result = run_script(tmp_path, FIRST_CHECK.format(prestart=prestart))
+        assert result.returncode == 0, result.stderr[-3000:]
+        measured[prestart] = json.loads(result.stdout.splitlines()[-1])
+    (score, seconds, start_s), (cold_score, cold_seconds, cold_start_s) = measured[True], measured[False]
+    assert score == cold_score == 0.0
+    assert seconds < common.VERIFY_TIMEOUT_S + 0.5, (seconds, start_s)
+    assert cold_seconds > common.VERIFY_TIMEOUT_S + cold_start_s - 0.1  # without prestart: the start is waited for
+
+
+def test_a_run_prestarts_the_checker_with_its_engine(monkeypatch, tmp_path):
+    """On a dataset file (not the built-in task, whose numbers are compared in-process)."""
+    checker = infra.verifier._Verifier()
+    monkeypatch.setattr(infra.verifier, "CHECKER", checker)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"question": "12+30", "answer": "42"}\n{"question": "5+6", "answer": "11"}\n')
+    flags = ["--steps", 1, "--prompts-per-step", 2, "--samples-per-prompt", 2, "--max-response-tokens", 8,
+             "--dataset", rows, "--eval-datasets", rows, "--eval-max-tokens", 8, "--output-dir", tmp_path]
+    monkeypatch.setattr(sys, "argv", ["grpo.py", *map(str, flags)])
+    try:
+        importlib.import_module("grpo").main()
+        assert checker.process is not None and checker.owner == os.getpid()  # launched by Run.start
+        assert common.verify("\\boxed{x+1}", "1+x") == 1.0 and checker.start_s is not None
+    finally:
+        checker.close()
 
 
 def test_unguarded_script_can_verify(tmp_path):
