@@ -19,7 +19,7 @@ from tqdm import tqdm
 from infra import UserError, data, dist, memory, verifier
 from infra.checkpoint import _checkpoint_steps, load_checkpoint, rng_state, save_checkpoint, seed_everything
 from infra.cli import check_integrations
-from infra.engine import check_generator, make_generator
+from infra.engine import check_generator, make_generator, stop_token_ids
 from infra.evaluate import eval_table, evaluate
 from infra.hub import check_model_source
 from infra.log import Logger
@@ -143,9 +143,9 @@ class Run:
         self.start_step = load_checkpoint(self.resume_path, models, optimizers) if self.resume_path else 0
         self.generator = make_generator(self.args.generator, models["policy"], tokenizer,
                                         self.args.gpu_memory_utilization, self.args.seed, self.args.vllm_kv_cache_gib)
-        if dist.rank() == 0:  # EOS, generation_config's EOS ids, the chat template's turn end (stop_token_ids)
+        if dist.rank() == 0:  # EOS, generation_config's EOS ids, the chat template's turn end: both engines' stops
             print("rollouts stop at " + ", ".join(f"{tokenizer.convert_ids_to_tokens(i)} ({i})"
-                                                   for i in self.generator.stop_ids))
+                                                   for i in stop_token_ids(models["policy"], tokenizer)))
         if not all(name.startswith("builtin") for name in (self.args.dataset, *self.args.eval_datasets)):
             verifier.CHECKER.prestart()  # the answer checker starts beside the first rollout, not in its first check
             # (the built-in task's answers are numbers, compared in-process: it seldom needs the checker at all)
