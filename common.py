@@ -5,7 +5,6 @@ reader may skip (command line, torchrun, data files, evaluation, checkpoints, th
 import dataclasses
 import decimal
 import inspect
-import os
 import re
 import time
 from dataclasses import dataclass

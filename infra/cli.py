@@ -1,6 +1,7 @@
 """The command line every trainer shares: RunArgs (the run flags; each method file's Args extends it with the
 method's knobs), the CPU demo's preset, parsing by tyro (flags and --help from the dataclass fields and their
-comments) with errors in one line, and the checks on values that no run can use.
+comments, the method's knobs first, then the run flags) with errors in one line, the checks on values that no run can
+use, and the trainers found at the repository root (trainers(): forks too).
 """
 import ast
 import contextlib
@@ -49,7 +50,8 @@ class RunArgs:
     # are the trainer's own: Hugging Face generate on the policy itself, float32, top-p 1; vLLM: recomputed)
     old_logprobs: Literal["auto", "engine", "recompute"] = "auto"
     device: str = ""  # torch device: cpu, cuda or cuda:N (default: cuda when available, else cpu)
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # compute dtype (auto: bfloat16 on GPU, float32 on CPU)
+    # compute dtype (auto: bfloat16 on GPU, float32 on CPU); weights stay float32
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     gpu_memory_utilization: float = 0.3  # share of GPU memory for the colocated vLLM engine (asleep in the update)
     vllm_kv_cache_gib: float = 1.0  # KV cache of a vLLM engine on CPU, GiB (on GPU --gpu-memory-utilization sizes it)
     trust_remote_code: bool = False  # allow custom model code from the hub (off: never run downloaded code)
@@ -122,7 +124,10 @@ def field_comments(args_class):
     for klass in reversed(args_class.__mro__):
         if not dataclasses.is_dataclass(klass) or klass is object:
             continue
-        source = textwrap.dedent(inspect.getsource(klass))
+        try:
+            source = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):  # no source file (a class made at run time): no help from comments
+            continue
         lines = source.splitlines()
         comments = {token.start[0]: token.string[1:].strip() for token in
                     tokenize.generate_tokens(io.StringIO(source).readline) if token.type == tokenize.COMMENT}
@@ -137,7 +142,7 @@ def field_comments(args_class):
 
 def field_help(args_class, name):
     """A flag's help: the comment at the end of its field's line, else the comment lines right above the field."""
-    above, inline = field_comments(args_class)[name]
+    above, inline = field_comments(args_class).get(name, ("", ""))
     return inline or above
 
 
@@ -155,7 +160,7 @@ def _group(name, doc, args_class, fields, defaults):
         members.append((field.name, Annotated[field.type, tyro.conf.arg(help=help_, help_behavior_hint=hint)],
                         dataclasses.field(default=value)))
     group = dataclasses.make_dataclass(name, members)
-    group.__doc__ = doc
+    group.__doc__ = (doc or "").strip()
     return Annotated[group, tyro.conf.OmitArgPrefixes, tyro.conf.arg(name=name)], group(
         **{field.name: getattr(defaults, field.name) for field in fields})
 
@@ -175,6 +180,12 @@ def _one_line_error(text):
         flags = [line.split()[0] for line in lines[lines.index("Perhaps you meant:"):] if line.startswith("--")]
         message = message.split(" Perhaps you meant:")[0] + f"; did you mean {' or '.join(flags)}?"
     return message
+
+
+def _method_name(args_class):
+    """The trainer's file name without .py (ppo), from the module that defines its Args."""
+    module = sys.modules.get(args_class.__module__)
+    return os.path.splitext(os.path.basename(getattr(module, "__file__", None) or "method"))[0]
 
 
 def parse_args(args_class, tiny_preset=None, argv=None):
@@ -204,16 +215,16 @@ def parse_args(args_class, tiny_preset=None, argv=None):
                        f"published ones." if preset else f"Defaults shown: the published settings (--model {model}).")
     run_names = {field.name for field in dataclasses.fields(RunArgs)}
     fields = dataclasses.fields(args_class)
-    groups = [(name, doc, group) for name, doc, group in (
-        (_method_name(args_class), (args_class.__doc__ or "").strip(), [f for f in fields if f.name not in run_names]),
-        ("run", (RunArgs.__doc__ or "").strip(), [f for f in fields if f.name in run_names])) if group]
-    built = [_group(name, doc, args_class, group, defaults) for name, doc, group in groups]
-    parser = dataclasses.make_dataclass("Flags", [(name, annotated) for (name, *_), (annotated, _) in
-                                                  zip(groups, built)])
+    groups = {name: fields_ for name, fields_ in ((_method_name(args_class), [f for f in fields if f.name not in
+                                                  run_names]), ("run", [f for f in fields if f.name in run_names]))
+              if fields_}  # the method's knobs, then the run flags: tyro shows each group in its own box
+    built = {name: _group(name, (args_class if name != "run" else RunArgs).__doc__, args_class, fields_, defaults)
+             for name, fields_ in groups.items()}
+    flags = dataclasses.make_dataclass("Flags", [(name, annotated) for name, (annotated, _) in built.items()])
     errors = io.StringIO()
     try:
         with contextlib.redirect_stderr(errors):
-            parsed = tyro.cli(parser, args=argv, default=parser(*(default for _, default in built)),
+            parsed = tyro.cli(flags, args=argv, default=flags(*(value for _, value in built.values())),
                               description=description)
     except SystemExit as exit_:
         if exit_.code:  # tyro's error box, in one line
@@ -222,17 +233,11 @@ def parse_args(args_class, tiny_preset=None, argv=None):
             raise SystemExit(2)
         raise
     args = args_class(**{field.name: getattr(getattr(parsed, name), field.name)
-                         for name, _, group in groups for field in group})
+                         for name, fields_ in groups.items() for field in fields_})
     check_ranges(args)
     if resume:
         check_resume(args, defaults, *point)
     return args
-
-
-def _method_name(args_class):
-    """The trainer's file name without .py (ppo), from the module that defines its Args."""
-    module = sys.modules.get(args_class.__module__)
-    return os.path.splitext(os.path.basename(getattr(module, "__file__", None) or "method"))[0]
 
 
 POSITIVE_SIZES = ("prompts_per_step", "samples_per_prompt", "mini_batches", "epochs", "micro_batch_size", "eval_n",
