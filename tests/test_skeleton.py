@@ -172,6 +172,10 @@ def test_an_edited_helper_names_the_file_that_changed_and_the_fix(tmp_path):
     assert copy_mismatches(sources(tmp_path))[1] == (  # the one copy that differs is the one that changed
         "sp3o.py's whiten differs from ppo.py's and tppo.py's: copy sp3o.py's whiten to ppo.py and tppo.py, or list "
         "it in ALLOWED")
+    edit(tmp_path / "ppo.py", "Clipped value loss", "The clipped value loss")  # two copies: which one changed?
+    assert copy_mismatches(sources(tmp_path))[1] == (  # in the order of the functions' names
+        "value_loss differs between ppo.py and sp3o.py: copy the one you changed to the other, or list the changed "
+        "file's value_loss in ALLOWED")
 
 
 def test_a_fork_is_checked_against_its_parent(tmp_path):
