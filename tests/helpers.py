@@ -1,12 +1,41 @@
-"""Helpers several test files share: reading a run's metrics, comparing two runs' records, and killing a run to
-resume it."""
+"""Helpers several test files share: reading a run's metrics, comparing two runs' records, killing a run to
+resume it, and the trainers' tables of flags extended to forks."""
 import contextlib
+import difflib
 import json
 import os
+import shutil
 import signal
+import subprocess
 import time
 
 import infra.checkpoint
+import infra.cli
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def changed_lines(root, parent, name):
+    """Lines `diff parent.py name.py` marks with < or > (GNU diff where there is one, else difflib)."""
+    a, b = (os.path.join(root, f"{n}.py") for n in (parent, name))
+    if shutil.which("diff"):
+        output = subprocess.run(["diff", a, b], capture_output=True, text=True).stdout
+        return sum(line[:1] in "<>" for line in output.splitlines() if line)
+    with open(a) as x, open(b) as y:
+        return sum(line[:1] in "+-" for line in difflib.unified_diff(x.readlines(), y.readlines(), n=0)
+                   if not line.startswith(("+++", "---")))
+
+
+def with_forks(table, root=REPO):
+    """A test's {trainer: flags} table (keys `ppo` or `ppo.py`) for every trainer found (infra.cli.trainers): a fork
+    the table lacks takes the flags of the trainer in it whose file it differs from least, so no fork is left out."""
+    stems = {key[:-3] if key.endswith(".py") else key: key for key in table}
+    extended = dict(table)
+    for name in infra.cli.trainers(root):
+        if name not in stems:
+            nearest = min(stems, key=lambda known: changed_lines(root, known, name))
+            extended[name + ".py" * stems[nearest].endswith(".py")] = table[stems[nearest]]
+    return extended
 
 
 def records(run_dir):

@@ -5,10 +5,8 @@ fork (a copy of ppo.py under a new name) is checked too, against its parent, wit
 tests/test_skeleton.py`: its changed lines against the parent are printed as a warning, and when the parent's
 helper changes the message says which file changed and what to copy where."""
 import ast
-import difflib
 import os
 import shutil
-import subprocess
 import sys
 import warnings
 
@@ -20,6 +18,7 @@ sys.path.insert(0, ROOT)
 import grpo  # noqa: E402
 import infra.cli  # noqa: E402
 import sppo  # noqa: E402
+from helpers import changed_lines  # noqa: E402
 
 # (file, function) -> why it differs from the other copies. "extends": the other copies' body lines all appear, in
 # order, in this copy (it adds checks); otherwise the copy is a different function under the same name.
@@ -54,17 +53,6 @@ def sources(root):
 def shared(found):
     return sorted({function for name in found for function in found[name]
                    if sum(function in found[other] for other in found) > 1})
-
-
-def changed_lines(root, parent, name):
-    """Lines `diff parent.py name.py` marks with < or > (GNU diff where there is one, else difflib)."""
-    a, b = (os.path.join(root, f"{n}.py") for n in (parent, name))
-    if shutil.which("diff"):
-        output = subprocess.run(["diff", a, b], capture_output=True, text=True).stdout
-        return sum(line[:1] in "<>" for line in output.splitlines() if line)
-    with open(a) as x, open(b) as y:
-        return sum(line[:1] in "+-" for line in difflib.unified_diff(x.readlines(), y.readlines(), n=0)
-                   if not line.startswith(("+++", "---")))
 
 
 def parent(root, name):
