@@ -211,8 +211,9 @@ def parse_args(args_class, tiny_preset=None, argv=None):
         model = _flag_value(argv, "--model") or getattr(args_class, "model", "")
         preset = {**RUN_TINY_PRESET, **(tiny_preset or {})} if is_tiny_model(model) else {}
         defaults = args_class(**{name: value for name, value in preset.items() if name in names})
-        description = (f"Defaults shown: the built-in CPU demo's preset (--model {model}); a real model gets the "
-                       f"published ones." if preset else f"Defaults shown: the published settings (--model {model}).")
+        description = None if not hasattr(args_class, "model") else (
+            f"Defaults shown: the built-in CPU demo's preset (--model {model}); a real model gets the published ones."
+            if preset else f"Defaults shown: the published settings (--model {model}).")
     run_names = {field.name for field in dataclasses.fields(RunArgs)}
     fields = dataclasses.fields(args_class)
     groups = {name: fields_ for name, fields_ in ((_method_name(args_class), [f for f in fields if f.name not in
