@@ -5,7 +5,6 @@ reader may skip (command line, torchrun, data files, evaluation, checkpoints, th
 import dataclasses
 import decimal
 import inspect
-import os
 import re
 import time
 from dataclasses import dataclass
@@ -14,7 +13,7 @@ import numpy as np
 import torch
 
 from infra import UserError, answer_line, dist, verifier
-from infra.hub import check_model_source
+from infra.hub import check_model_source, resolve_model_name
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -22,20 +21,6 @@ INSTRUCTION = "Please reason step by step, and put your final answer within \\bo
 # ----------------------------------------------------------------------------------------------
 # Models. Every model, the built-in tiny one included, loads through from_pretrained.
 # ----------------------------------------------------------------------------------------------
-def resolve_model_name(name):
-    """`tiny` -> the built-in checkpoint (models/tiny/); a bare `Qwen3-4B-Base` -> `Qwen/Qwen3-4B-Base`;
-    local paths and `org/name` hub ids pass through."""
-    if name == "tiny":
-        from infra.tiny import tiny_model_path
-        return tiny_model_path()
-    if os.path.exists(name) or "/" in name:
-        return name
-    if name.lower().startswith(("qwen", "qwq")):
-        return f"Qwen/{name}"
-    raise UserError(f"--model {name!r} is neither a local path nor a hub id (org/name); "
-                    "use e.g. Qwen3-4B-Base, Qwen/Qwen3-4B-Base, ./my_checkpoint or tiny")
-
-
 def load_tokenizer(name_or_path, trust_remote_code=False):
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_name(name_or_path), trust_remote_code=trust_remote_code)

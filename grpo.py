@@ -33,7 +33,7 @@ class Args(infra.cli.RunArgs):
     top_p: float = 1.0  # rollout nucleus sampling (1.0: off)
     lr: float = 1e-6  # policy learning rate (published: 1e-6)
     weight_decay: float = 0.01  # AdamW weight decay (verl default)
-    adam_betas: tuple[float, ...] = (0.9, 0.999)  # AdamW betas
+    adam_betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
     mini_batches: int = 2  # optimizer steps per rollout per epoch (published: 2)
     epochs: int = 1  # passes over each rollout
     grad_clip: float = 1.0  # max global gradient norm (published: 1.0)

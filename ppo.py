@@ -37,7 +37,7 @@ class Args(infra.cli.RunArgs):
     lr: float = 1e-6  # policy learning rate (published: 1e-6)
     critic_lr: float = 4e-6  # critic learning rate (published: 4e-6, SP3O's PPO baseline; verl's examples use 1e-5)
     weight_decay: float = 0.1  # AdamW weight decay (published: 0.1, SP3O's PPO baseline; verl's default 0.01)
-    adam_betas: tuple[float, ...] = (0.9, 0.98)  # AdamW betas (published: 0.9, 0.98, SP3O's PPO baseline)
+    adam_betas: tuple[float, float] = (0.9, 0.98)  # AdamW betas (published: 0.9, 0.98, SP3O's PPO baseline)
     mini_batches: int = 2  # optimizer steps per rollout per epoch (published: 2)
     epochs: int = 1  # passes over each rollout
     critic_epochs: int = 0  # critic passes over each rollout (0: --epochs, as published; verl's critic.ppo_epochs)
@@ -55,8 +55,8 @@ class Args(infra.cli.RunArgs):
     probe_every: int = 0  # critic diagnostics every N steps: critic vs Monte Carlo values on held-out prompts (0: off)
     probe_prompts: int = 16  # held-out prompts per probe, one sampled response each
     probe_continuations: int = 8  # K, Monte Carlo continuations per probed state (see infra.probes.probe_critic)
-    # seq-mean (published): each sample's token mean, then the mean over samples, as SP3O's launcher (slime)
-    aggregation: Literal["token-mean", "seq-mean", "sum-max-len"] = "seq-mean"  # actor, critic (verl: token-mean)
+    # actor and critic loss; seq-mean (published, SP3O's slime launcher): the mean of each sample's token mean
+    aggregation: Literal["token-mean", "seq-mean", "sum-max-len"] = "seq-mean"
     kl_coef: float = 0.0  # beta of the k3 KL to a frozen reference (0: no reference model is loaded)
 
 

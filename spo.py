@@ -60,7 +60,7 @@ class Args(infra.cli.RunArgs):
     lr_schedule: Literal["warmup-decay", "constant"] = "warmup-decay"  # released: warm-up, then linear decay to 0
     lr_warmup: float = 0.03  # share of all optimizer steps spent warming up (published: 0.03)
     weight_decay: float = 0.0  # AdamW weight decay (published: 0)
-    adam_betas: tuple[float, ...] = (0.9, 0.999)  # AdamW betas (published: HF's default 0.9, 0.999)
+    adam_betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas (published: HF's default 0.9, 0.999)
     mini_batches: int = 8  # optimizer steps per rollout per epoch (published: 8, RhoMath 1.1B; 4 in the Qwen configs)
     epochs: int = 2  # passes over each rollout (published: 2, RhoMath 1.1B; 1 in the Qwen and SPO-tree configs)
     grad_clip: float = 1.0  # max global gradient norm (published: 1.0)

@@ -37,7 +37,7 @@ class Args(infra.cli.RunArgs):
     lr: float = 1e-6  # policy learning rate (published: 1e-6)
     critic_lr: float = 1e-5  # critic learning rate (published: 5e-6 to 1e-5)
     weight_decay: float = 0.1  # AdamW weight decay (published: 0.1, SP3O's PPO baseline; verl's default 0.01)
-    adam_betas: tuple[float, ...] = (0.9, 0.999)  # AdamW betas (published: verl's default 0.9, 0.999)
+    adam_betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas (published: verl's default 0.9, 0.999)
     mini_batches: int = 16  # actor and critic optimizer steps per rollout per epoch (published: 16, of 32 prompts)
     epochs: int = 1  # passes over each rollout
     critic_epochs: int = 0  # critic passes over each rollout (0: --epochs, as published; verl's critic.ppo_epochs)

@@ -39,7 +39,7 @@ class Args(infra.cli.RunArgs):
     lr: float = 1e-6  # policy learning rate (published: 1e-6)
     critic_lr: float = 1e-5  # critic learning rate (not published for TPPO; verl's 1e-5)
     weight_decay: float = 0.01  # AdamW weight decay (not published for TPPO; verl's default 0.01)
-    adam_betas: tuple[float, ...] = (0.9, 0.999)  # AdamW betas (not published for TPPO; verl's default 0.9, 0.999)
+    adam_betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas (not published for TPPO; verl's default 0.9, 0.999)
     mini_batches: int = 2  # optimizer steps per rollout per epoch (published: 2, mini-batches of 32 prompts)
     epochs: int = 1  # passes over each rollout
     critic_epochs: int = 0  # critic passes over each rollout (0: --epochs, as published; verl's critic.ppo_epochs)
@@ -51,10 +51,10 @@ class Args(infra.cli.RunArgs):
     # z_0 from the increments' head (main variant) or a second output
     critic_head: Literal["shared", "separate"] = "shared"
     gamma: float = 1.0  # GAE discount (published: 1.0)
-    # lam_actor: the paper ablates 1, 0.95 and 0 and does not publish its default. We take 0.95 (VC-PPO's decoupled
-    # GAE, lam_critic = 1): the tracked value changes V_{t+1} - V_t then shape the advantage, which is what this critic
-    # is built to get right; 1 uses the critic only as a baseline (A_t = R - V_t), 0 trusts it alone.
-    # GAE lambda of the policy's advantages (not published; 0.95: see the comment in tppo.py; 1 is ppo.py's)
+    # GAE lambda of the policy's advantages. The paper ablates 1, 0.95 and 0 and does not publish its default; 0.95
+    # (VC-PPO's decoupled GAE, lam_critic = 1) lets the tracked value changes V_{t+1} - V_t shape the advantage,
+    # which is what this critic is built to get right; 1 (ppo.py's) uses the critic only as a baseline
+    # (A_t = R - V_t), 0 trusts it alone.
     lam_actor: float = 0.95
     lam_critic: float = 1.0  # GAE lambda of the critic's returns (published: 1.0)
     whiten_advantages: bool = True  # normalize advantages over the batch's valid tokens (not published; verl: on)

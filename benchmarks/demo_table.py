@@ -25,7 +25,11 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROBED = ("ppo", "sp3o", "tppo")  # the trainers with a per-token critic and --probe-every
+sys.path.insert(0, ROOT)
+import infra.cli  # noqa: E402
+
+METHODS = infra.cli.trainers()  # every trainer file at the root, forks included (e.g. a copy of ppo.py)
+PROBED = [m for m in METHODS if {"probe_every", "lam_critic"} <= set(infra.cli.trainer_defaults(m))]  # token critics
 EV_TARGET = 0.2  # the critic's explained variance that counts as learning something
 T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23}  # two-sided, by df
 
@@ -86,7 +90,7 @@ def welch_differs(a, b):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--methods", nargs="+", default=["grpo", "ppo", "sp3o", "tppo", "sppo", "spo"])
+    parser.add_argument("--methods", nargs="+", default=METHODS)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--output-dir", default="runs/demo_table")
     parser.add_argument("--results", default="runs/demo_table/results.jsonl", help="append each run's numbers here")
@@ -116,7 +120,6 @@ def main():
             with open(os.path.join(ROOT, args.results), "a") as handle:
                 handle.write(json.dumps(result) + "\n")
             results.append(result)
-    sys.path.insert(0, ROOT)
     import infra.plot
     runs = [os.path.join(ROOT, args.output_dir, f"demo_{r['method']}_s{r['seed']}") for r in results]
     print("figure:", infra.plot.plot(runs, os.path.join(ROOT, args.output_dir, "curves.png"),

@@ -3,6 +3,7 @@
     python benchmarks/gpu_check.py model OUT_DIR            # a random Qwen3-0.6B-shaped checkpoint, from its config
     python benchmarks/gpu_check.py flags TRAINER RUN_DIR    # the trainer's flags for the check, one per line
     python benchmarks/gpu_check.py table RUN_DIR            # one table: the trainers' runs and bench_update.py's
+    python benchmarks/gpu_check.py trainers                 # the trainer files (infra.cli.trainers), forks too
 
 The model: Qwen3-0.6B's shape (bench_update.QWEN3_0_6B_SHAPE: 28 layers, hidden 1024, 16 query / 8 key-value heads
 of 128, MLP 3072, vocabulary 151,936, tied embeddings; 596M parameters, 440M without the embedding, as the model
@@ -21,9 +22,10 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import common  # noqa: E402
+import infra.cli  # noqa: E402
 from benchmarks.bench_update import QWEN3_0_6B_SHAPE  # noqa: E402
 
-TRAINERS = ("ppo", "grpo", "sppo", "sp3o", "tppo", "spo")
+TRAINERS = infra.cli.trainers()  # every trainer file at the root, forks included
 # 3 steps of 16 prompts (x 8 samples for GRPO and SPO's chain, x 1 for SPPO: the trainers' defaults), 256-token
 # responses, an evaluation of 32 problems x 1 sample at the first and last step; bf16 compute (--dtype auto on GPU)
 RUN_FLAGS = ["--generator", "vllm", "--steps", "3", "--prompts-per-step", "16", "--max-response-tokens", "256",
@@ -135,5 +137,7 @@ if __name__ == "__main__":
         print("\n".join(run_flags(*paths)))
     elif command == "table":
         print(table(paths[0]))
+    elif command == "trainers":
+        print(*TRAINERS)
     else:
-        sys.exit(f"usage: {sys.argv[0]} model OUT_DIR | flags TRAINER RUN_DIR | table RUN_DIR")
+        sys.exit(f"usage: {sys.argv[0]} model OUT_DIR | flags TRAINER RUN_DIR | table RUN_DIR | trainers")

@@ -30,7 +30,7 @@ echo "installed in $((SECONDS - start)) s"
 "$PYTHON" benchmarks/gpu_check.py model "$RUN_DIR/model" > /dev/null || exit 1
 echo "model built at $((SECONDS - start)) s"
 
-for trainer in ppo grpo sppo sp3o tppo spo; do
+for trainer in $("$PYTHON" benchmarks/gpu_check.py trainers); do  # every trainer file, forks too
     rm -rf "$RUN_DIR/runs/$trainer"
     began=$SECONDS
     mapfile -t flags < <("$PYTHON" benchmarks/gpu_check.py flags "$trainer" "$RUN_DIR")

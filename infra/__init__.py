@@ -1,6 +1,7 @@
 """Plumbing the trainers share and a reader of a method file may skip: each module owns one concern.
 
-    cli.py         the command line: RunArgs (the run flags every trainer shares), the CPU demo's preset, checks
+    cli.py         the command line: RunArgs (the run flags every trainer shares), the CPU demo's preset, checks,
+                   and the trainers found at the repository root (forks included)
     run.py         Run: the loop's plumbing (evaluation schedule, checkpoints, Ctrl-C / SIGTERM, the summary)
     resume.py      the run folder's name, clashes with an existing run, and --resume with the saved settings
     log.py         config.json, metrics.jsonl, the step line, TensorBoard / W&B
@@ -11,14 +12,23 @@
                    format, and the order of training rows
     tiny.py        the built-in task and the built-in tiny model
     engine.py      the Hugging Face rollout engine, and the choice of engine
-    hub.py         where a --model comes from (local folder, Hugging Face cache, hub), checked before it loads
+    hub.py         where a --model comes from (local folder, Hugging Face cache, hub, the built-in model's folder),
+                   checked before it loads
     vllm_engine.py the vLLM rollout engine (optional: vLLM is imported there only)
     verifier.py    the math-verify checker process behind common.verify
     answer_line.py DAPO's answer-line reward (verl math_dapo) behind common.verify_answer_line
     evaluate.py    held-out evaluation (avg@n, pass@k) and rollout metrics
     probes.py      critic diagnostics against Monte Carlo values
     checkpoint.py  checkpoints (sharded and Hugging Face format) and exact resume
+
+Layers, imports pointing down only (tests/test_layers.py reads every import, those inside functions too):
+
+    method files (ppo.py, ...)   may import anything below
+    infra, above common.py       every module not in BELOW_COMMON: may import common.py and any infra module
+    common.py                    what a reader of a method file opens: imports only BELOW_COMMON (and this package)
+    infra, below common.py       BELOW_COMMON: import neither common.py nor a module above it, nor a method file
 """
+BELOW_COMMON = ("dist", "verifier", "answer_line", "hub")  # with this package itself (UserError)
 
 
 class UserError(Exception):

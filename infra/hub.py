@@ -1,44 +1,75 @@
 """Where a --model comes from, checked in seconds before anything loads: a local folder, the local Hugging Face
 cache, or the hub when it can be reached (offline, a name that is not in the cache fails at once, in one line,
-instead of retrying the network for a minute and printing a traceback).
+instead of retrying the network for a minute and printing a traceback); `tiny` is the built-in model's folder.
 """
 import functools
 import os
+import subprocess
+import sys
 
 from infra import UserError
 
 PROBE_TIMEOUT_S = 5  # one request to the hub's endpoint, only for a hub name that is not in the local cache
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_SHIPPED = os.path.join(ROOT, "models", "tiny")
+CACHE_DIR = os.path.expanduser(os.environ.get("RL_REASONING_CACHE", "~/.cache/rl-reasoning"))
+TINY_MODEL_VERSION = "tiny-v4"  # the cache's name for a model built here when models/tiny/ is absent
+
+
+def resolve_model_name(name, flag="--model"):
+    """`tiny` -> the built-in checkpoint (models/tiny/); a bare `Qwen3-4B-Base` -> `Qwen/Qwen3-4B-Base`;
+    local paths and `org/name` hub ids pass through."""
+    if name == "tiny":
+        return tiny_model_path()
+    if os.path.exists(name) or "/" in name:
+        return name
+    if name.lower().startswith(("qwen", "qwq")):
+        return f"Qwen/{name}"
+    raise UserError(f"{flag} {name!r} is neither a local path nor a hub id (org/name); "
+                    "use e.g. Qwen3-4B-Base, Qwen/Qwen3-4B-Base, ./my_checkpoint or tiny")
+
+
+def tiny_model_path():
+    """models/tiny/, the shipped model; in a copy of the code without it, one built here once and cached (by
+    infra.tiny.build_tiny_model in a child process: infra.tiny sits above common.py, this module below it)."""
+    if os.path.exists(os.path.join(TINY_SHIPPED, "config.json")):
+        return TINY_SHIPPED
+    path = os.path.join(CACHE_DIR, TINY_MODEL_VERSION)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        build = "import sys, infra.tiny; infra.tiny.build_tiny_model(sys.argv[1])"
+        if subprocess.run([sys.executable, "-c", build, path], cwd=ROOT).returncode:
+            raise UserError(f"building the tiny model into {path} failed or was interrupted (nothing was kept)")
+    return path
 
 
 @functools.lru_cache(maxsize=None)
-def check_model_source(name):
+def check_model_source(name, flag="--model"):
     """Raise UserError (one line) when --model `name` cannot load here: a local path that is not a model folder,
     or a hub name that is neither in the local cache nor downloadable (HF_HUB_OFFLINE=1, or the hub unreachable)."""
-    from common import resolve_model_name  # `tiny` is built, a bare Qwen name gets its org
     if name == "tiny":
         return
-    path = resolve_model_name(name)
+    path = resolve_model_name(name, flag)
     if os.path.isdir(path):
         if not os.path.exists(os.path.join(path, "config.json")):
-            raise UserError(f"--model {name!r}: the folder {path} holds no config.json (give a model folder, e.g. "
+            raise UserError(f"{flag} {name!r}: the folder {path} holds no config.json (give a model folder, e.g. "
                             "runs/<run>/checkpoints/step_<n>/policy, or a hub name)")
         return
     if os.path.exists(path):
-        raise UserError(f"--model {name!r}: {path} is a file; give a model folder or a hub name")
+        raise UserError(f"{flag} {name!r}: {path} is a file; give a model folder or a hub name")
     from huggingface_hub import constants, try_to_load_from_cache
     from huggingface_hub.utils import HFValidationError, validate_repo_id
     try:
         validate_repo_id(path)
     except HFValidationError:  # runs/x/policy, ./model, /abs/path: meant as a local folder
-        raise UserError(f"--model {name!r}: no such folder (and not a hub name of the form org/name)") from None
+        raise UserError(f"{flag} {name!r}: no such folder (and not a hub name of the form org/name)") from None
     if isinstance(try_to_load_from_cache(path, "config.json"), str):
         return
     if constants.HF_HUB_OFFLINE:
-        raise UserError(f"--model {name!r}: no such local folder, and not in the local Hugging Face cache "
+        raise UserError(f"{flag} {name!r}: no such local folder, and not in the local Hugging Face cache "
                         f"({constants.HF_HUB_CACHE}) while HF_HUB_OFFLINE=1 forbids downloading it")
     problem = _unreachable(constants.ENDPOINT)
     if problem:
-        raise UserError(f"--model {name!r}: no such local folder, not in the local Hugging Face cache "
+        raise UserError(f"{flag} {name!r}: no such local folder, not in the local Hugging Face cache "
                         f"({constants.HF_HUB_CACHE}), and the hub {constants.ENDPOINT} cannot be reached ({problem})")
 
 

@@ -14,6 +14,7 @@ import os
 import sys
 
 from infra import UserError, dist
+from infra.cli import trainer_defaults, trainers
 
 GIB = 2 ** 30
 PROMPT_TOKENS = 1024  # planning allowance for a prompt (no flag caps prompts; GSM8K/MATH prompts are shorter)
@@ -22,7 +23,6 @@ HF_ENGINE_BATCH = 256  # sequences per Hugging Face generate call (infra.engine.
 QWEN3 = {  # published config.json: hidden, layers, heads, KV heads, head_dim, intermediate, vocab, tied embeddings
     "Qwen3-0.6B": (1024, 28, 16, 8, 128, 3072, 151936, True), "Qwen3-1.7B": (2048, 28, 16, 8, 128, 6144, 151936, True),
     "Qwen3-4B": (2560, 36, 32, 8, 128, 9728, 151936, True), "Qwen3-8B": (4096, 36, 32, 8, 128, 12288, 151936, False)}
-CRITIC_METHODS, REFERENCE_METHODS = ("ppo", "sp3o", "tppo", "sppo"), ("spo",)  # spo: published --kl-coef 1e-4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,8 +276,9 @@ def host_refusal(setup, available, cpu, ranks_here=1):
 
 def gpus_needed(method, shape, offload, tokens, gpu_gib=80, utilization=0.3, sequence=PROMPT_TOKENS + 8192):
     """(fewest ranks of 1, 2, 4 ... 64 that fit GPUs of gpu_gib, host bytes per rank) or (None, 0); else defaults."""
-    models = [("policy", shape, 0, True)] + [("critic", shape, 1, True)] * (method in CRITIC_METHODS) + \
-        [("reference", shape, 0, False)] * (method in REFERENCE_METHODS)
+    knobs = trainer_defaults(method)  # a critic: --critic-model; a reference: a published --kl-coef > 0 (spo)
+    models = [("policy", shape, 0, True)] + [("critic", shape, 1, True)] * ("critic_model" in knobs) + \
+        [("reference", shape, 0, False)] * (knobs.get("kl_coef", 0) > 0)
     for ranks in (1, 2, 4, 8, 16, 32, 64):
         rows = plan(Setup(tuple(models), ranks, offload, tokens, sequence, engine_bytes=utilization * gpu_gib * GIB))
         if peak(rows) <= gpu_gib * GIB:
@@ -289,7 +290,7 @@ def scaling_table(gpu_gib=80, budgets=(16384, 8 * (PROMPT_TOKENS + 8192))):
     """Markdown: per method and Qwen3 size, GPUs needed at each micro-batch token budget, without and with offload."""
     lines = ["| method | model | " + " | ".join(f"{t:,} tokens: {gpu_gib:g} GiB GPUs | offloaded: GPUs (host per GPU)"
                                               for t in budgets) + " |", "|---|---|" + "---:|---:|" * len(budgets)]
-    for method, name in itertools.product(("grpo", "ppo", "sp3o", "tppo", "sppo", "spo"), ("0.6B", "4B", "8B")):
+    for method, name in itertools.product(trainers(), ("0.6B", "4B", "8B")):  # every trainer file, forks too
         cells = []
         for tokens in budgets:
             plain, (offloaded, host) = (gpus_needed(method, Shape(*QWEN3["Qwen3-" + name]), offload, tokens, gpu_gib)

@@ -111,10 +111,12 @@ class Run:
 
     def __init__(self, args, trainer_file):
         self.args = args
-        check_integrations(args)  # --tensorboard, --wandb-project: importable
+        check_integrations(args)  # --device, --output-dir; --tensorboard, --wandb-project: importable
         self.device = dist.init_device(args.device, args.offload_optimizer)  # torchrun or offload: a process group
         check_generator(args.generator, self.device)  # --generator vllm: runnable here
         check_model_source(args.model)  # a missing --model fails in one line, in seconds (offline too)
+        if getattr(args, "critic_model", ""):  # PPO-family: the critic's backbone, checked the same way
+            check_model_source(args.critic_model, "--critic-model")
         memory.check(args, trainer_file, self.device)  # the memory plan per GPU: refused here if it cannot fit
         if self.device.startswith("cpu") or args.offload_optimizer:  # host memory: freed blocks reused, not re-faulted
             memory.keep_freed_host_memory()

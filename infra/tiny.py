@@ -13,10 +13,9 @@ import torch
 
 import common
 from infra import UserError
+from infra.hub import CACHE_DIR, TINY_MODEL_VERSION, tiny_model_path  # noqa: F401 (tiny_model_path: where it was)
+from infra.hub import TINY_SHIPPED as SHIPPED
 
-SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "tiny")
-CACHE_DIR = os.path.expanduser(os.environ.get("RL_REASONING_CACHE", "~/.cache/rl-reasoning"))
-TINY_MODEL_VERSION = "tiny-v4"  # the cache's name for a model built here when models/tiny/ is absent
 TINY_SHAPE = (128, 2, 100)  # hidden size, layers, vocabulary of the built-in tiny model
 
 
@@ -74,13 +73,6 @@ def builtin_rows(split, n, seed, digits=DIGITS):
         return [addition_problem(rng, split, rng.randint(*digits)) for _ in range(n)]
     rng = random.Random(f"{split}-{seed}" if digits == 3 else f"{split}-{seed}-{digits}")
     return [addition_problem(rng, split, digits) for _ in range(n)]
-
-
-def tiny_model_path():
-    """models/tiny/, the shipped model; in a copy of the code without it, one built here once and cached."""
-    if os.path.exists(os.path.join(SHIPPED, "config.json")):
-        return SHIPPED
-    return build_tiny_model(os.path.join(CACHE_DIR, TINY_MODEL_VERSION))
 
 
 def build_tiny_model(path, sft_steps=SFT_STEPS, seed=0):

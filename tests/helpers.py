@@ -1,13 +1,43 @@
 """Helpers several test files share: reading a run's metrics, comparing two runs' records, killing a run to resume
-it, and the checks of the Qwen-like fixture's turn end (with HF generate and with vLLM)."""
+it, the trainers' tables of flags extended to forks, and the checks of the Qwen-like fixture's turn end (with HF
+generate and with vLLM)."""
 import contextlib
+import difflib
 import json
 import math
 import os
+import shutil
 import signal
+import subprocess
 import time
 
 import infra.checkpoint
+import infra.cli
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def changed_lines(root, parent, name):
+    """Lines `diff parent.py name.py` marks with < or > (GNU diff where there is one, else difflib)."""
+    a, b = (os.path.join(root, f"{n}.py") for n in (parent, name))
+    if shutil.which("diff"):
+        output = subprocess.run(["diff", a, b], capture_output=True, text=True).stdout
+        return sum(line[:1] in "<>" for line in output.splitlines() if line)
+    with open(a) as x, open(b) as y:
+        return sum(line[:1] in "+-" for line in difflib.unified_diff(x.readlines(), y.readlines(), n=0)
+                   if not line.startswith(("+++", "---")))
+
+
+def with_forks(table, root=REPO):
+    """A test's {trainer: flags} table (keys `ppo` or `ppo.py`) for every trainer found (infra.cli.trainers): a fork
+    the table lacks takes the flags of the trainer in it whose file it differs from least, so no fork is left out."""
+    stems = {key[:-3] if key.endswith(".py") else key: key for key in table}
+    extended = dict(table)
+    for name in infra.cli.trainers(root):
+        if name not in stems:
+            nearest = min(stems, key=lambda known: changed_lines(root, known, name))
+            extended[name + ".py" * stems[nearest].endswith(".py")] = table[stems[nearest]]
+    return extended
 
 
 def records(run_dir):
@@ -125,7 +155,7 @@ def check_turn_end_paths(generator, tokenizer, rows, max_tokens=64):
 QWEN_LIKE_RUN = ["--dataset", "builtin:2", "--steps", "2", "--prompts-per-step", "2", "--max-response-tokens", "48",
                  "--eval-every", "0", "--eval-problems", "4", "--eval-n", "1", "--eval-temperature", "0",
                  "--eval-max-tokens", "48", "--save-every", "0", "--no-gradient-checkpointing", "--lr", "1e-6"]
-QWEN_LIKE_TRAINERS = {  # ppo: its probe's Monte Carlo values; spo: SPO-tree
+QWEN_LIKE_TRAINERS = with_forks({  # ppo: its probe's Monte Carlo values; spo: SPO-tree
     "ppo": ["--samples-per-prompt", "2", "--micro-batch-size", "4", "--probe-every", "1", "--probe-prompts", "2",
             "--probe-continuations", "2", "--critic-warmup", "1"],
     "grpo": ["--samples-per-prompt", "2", "--micro-batch-size", "4"],
@@ -134,7 +164,7 @@ QWEN_LIKE_TRAINERS = {  # ppo: its probe's Monte Carlo values; spo: SPO-tree
     "tppo": ["--samples-per-prompt", "2", "--micro-batch-size", "4"],
     "spo": ["--mode", "tree", "--tree-prompts", "2", "--tree-depth", "2", "--tree-branching", "2",
             "--tree-segment-tokens", "8", "--micro-batch-size", "4", "--mini-batches", "1"],
-}
+})
 
 
 def check_qwen_like_run(run_dir, stdout):

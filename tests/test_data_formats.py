@@ -17,6 +17,7 @@ import infra.data
 import infra.evaluate
 from infra import UserError
 from infra.answer_line import ANSWER_LINE_PREFIX, ANSWER_LINE_SUFFIX
+from helpers import with_forks
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 SLIME_JSONL = os.path.join(FIXTURES, "slime_format.jsonl")
@@ -271,7 +272,7 @@ def test_monte_carlo_values_score_by_the_row():
 # ----------------------------------------------------------------------------------------------
 SMALL = ["--steps", "2", "--prompts-per-step", "2", "--max-response-tokens", "16", "--eval-problems", "2",
          "--eval-max-tokens", "16", "--save-every", "0"]
-TRAINER_FLAGS = {
+TRAINER_FLAGS = with_forks({
     "ppo": ["--samples-per-prompt", "2", "--micro-batch-size", "2", "--probe-every", "1", "--probe-prompts", "2",
             "--probe-continuations", "2", "--critic-warmup", "1"],  # the probe's Monte Carlo values on chat rows too
     "grpo": ["--samples-per-prompt", "2", "--micro-batch-size", "2"],
@@ -279,7 +280,7 @@ TRAINER_FLAGS = {
     "sp3o": ["--samples-per-prompt", "2", "--micro-batch-size", "2", "--critic-warmup", "1"],
     "tppo": ["--samples-per-prompt", "2", "--micro-batch-size", "2"],
     "spo": ["--samples-per-prompt", "2", "--micro-batch-size", "2", "--mc-samples", "2", "--mini-batches", "2"],
-}
+})
 
 
 @pytest.mark.parametrize("data_format", ["verl", "slime"])

@@ -12,6 +12,7 @@ import torch
 
 import common
 import infra.dist
+from helpers import with_forks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -87,9 +88,10 @@ def read_metrics(run_dir):
 
 
 SMALL = ["--steps", "2", "--prompts-per-step", "4", "--micro-batch-size", "16", "--eval-problems", "16"]
-EXTRA = {"grpo.py": [], "ppo.py": ["--micro-batch-tokens", "400", "--gradient-checkpointing", "--critic-warmup", "1"],
-         "sp3o.py": ["--critic-warmup", "1"], "tppo.py": ["--critic-head", "separate"],
-         "sppo.py": ["--prompts-per-step", "8"], "spo.py": ["--mc-samples", "2"]}
+EXTRA = with_forks({
+    "grpo.py": [], "ppo.py": ["--micro-batch-tokens", "400", "--gradient-checkpointing", "--critic-warmup", "1"],
+    "sp3o.py": ["--critic-warmup", "1"], "tppo.py": ["--critic-head", "separate"],
+    "sppo.py": ["--prompts-per-step", "8"], "spo.py": ["--mc-samples", "2"]})
 
 
 def run_two_ranks(script, tmp_path):
@@ -134,6 +136,6 @@ def test_uneven_prompts_are_refused(tmp_path, tiny_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["sp3o.py", "tppo.py", "sppo.py", "spo.py"])
+@pytest.mark.parametrize("script", sorted(set(EXTRA) - {"grpo.py", "ppo.py"}))  # those two: the tests above
 def test_other_trainers_run_under_torchrun(script, tmp_path, tiny_path):
     run_two_ranks(script, tmp_path)

@@ -17,6 +17,8 @@ import os
 
 import pytest
 
+from helpers import with_forks
+
 ACTOR_STEPS = 8
 # 8 prompts x 8 samples (SPPO: 64 x 1), one micro-batch per mini-batch, 16 held-out problems (greedy, the preset),
 # the 3-digit task (half the tokens of the default 6) at the learning rate of 1e-4 (the preset's 3e-5 is slower).
@@ -25,8 +27,8 @@ SMALL = ["--seed", 0, "--prompts-per-step", 8, "--micro-batch-size", 64, "--eval
 # One critic pass, as published and as measured below (the preset's 4, seeds 0 and 1: ppo and sp3o gained 0.25-0.375,
 # tppo 0.375 and 0.0625).
 ONE_PASS = ["--critic-epochs", 1]
-TRAINERS = {"grpo": [], "ppo": ONE_PASS, "sp3o": ONE_PASS, "tppo": ONE_PASS, "sppo": ["--prompts-per-step", 64],
-            "spo": []}
+TRAINERS = with_forks({"grpo": [], "ppo": ONE_PASS, "sp3o": ONE_PASS, "tppo": ONE_PASS,
+                       "sppo": ["--prompts-per-step", 64], "spo": []})
 EVAL_GAIN = 0.125  # held-out greedy accuracy, last step (after its update) minus step 0 (multiples of 1/16)
 REWARD_GAIN = 0.1  # mean training reward of the last 4 rollouts minus that of the rollouts before any actor update
 

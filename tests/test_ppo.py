@@ -13,6 +13,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import infra.cli  # noqa: E402
 import ppo  # noqa: E402
 
 # Two responses: row 0 has 3 valid tokens and R = 1; row 1 has 2 valid tokens and R = 0, its padding value 9 is junk.
@@ -87,7 +88,7 @@ def test_value_loss_clips_around_old_values_by_hand():
     assert sum(h.item() for h in halves) == pytest.approx(0.37)
 
 
-TRAINERS = ("ppo", "grpo", "sp3o", "tppo", "sppo", "spo")
+TRAINERS = infra.cli.trainers()  # forks too
 
 
 @pytest.mark.parametrize("name", TRAINERS)

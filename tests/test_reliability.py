@@ -20,13 +20,13 @@ from safetensors.torch import load_file
 
 import common
 import infra.checkpoint
+import infra.cli
 import infra.data
 import infra.run
 from helpers import assert_same_records, finish_resumed, kill_then_resume, killed_on_exit, records
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAINERS = [name for name in ("ppo", "grpo", "sppo", "sp3o", "tppo", "spo")
-            if os.path.exists(os.path.join(REPO, f"{name}.py"))]
+TRAINERS = infra.cli.trainers()  # forks too
 SMALL = ["--prompts-per-step", 4, "--micro-batch-size", 16, "--eval-problems", 4]  # 32 samples, 2 mini-batches
 
 

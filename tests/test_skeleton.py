@@ -1,9 +1,14 @@
-"""The shared skeleton's helpers are copies: every top-level function that two or more method files define is
-the same source text in each (docstring and comments included), except the differences listed in ALLOWED,
-which the tests also check to be real (so the list cannot go stale)."""
+"""The shared skeleton's helpers are copies: every top-level function that two or more trainer files define is the
+same source text in each (docstring and comments included), except the differences listed in ALLOWED, which the
+tests also check to be real (so the list cannot go stale). The trainers are discovered (infra.cli.trainers), so a
+fork (a copy of ppo.py under a new name) is checked too, against its parent, with `python -m pytest
+tests/test_skeleton.py`: its changed lines against the parent are printed as a warning, and when the parent's
+helper changes the message says which file changed and what to copy where."""
 import ast
 import os
+import shutil
 import sys
+import warnings
 
 import pytest
 import torch
@@ -11,11 +16,11 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import grpo  # noqa: E402
+import infra.cli  # noqa: E402
 import sppo  # noqa: E402
+from helpers import changed_lines  # noqa: E402
 
-METHOD_FILES = ("ppo", "grpo", "sp3o", "tppo", "sppo", "spo")  # a helper's reference copy: the first file defining it
-
-# (file, function) -> why it differs from the reference copy. "extends": the reference's body lines all appear, in
+# (file, function) -> why it differs from the other copies. "extends": the other copies' body lines all appear, in
 # order, in this copy (it adds checks); otherwise the copy is a different function under the same name.
 ALLOWED = {
     ("sppo", "policy_loss"): "dual-clip PPO for A < 0 (SPPO's released code)",
@@ -26,54 +31,152 @@ ALLOWED = {
     ("spo", "check_args"): "extends: chain and tree flags; a tree's edges split into any mini-batches",
 }
 NOT_HELPERS = {"main"}  # the loop itself: kept aligned by `diff`, not identical
+# The project's files and their parents, with the budget of changed lines (`diff parent.py file.py | grep -c '^[<>]'`;
+# None: spo vs grpo must not grow, reviewed by hand). ppo and grpo are the two roots; any other trainer is a fork,
+# whose parent is the project's file it differs from least.
+PARENTS = {"sp3o": ("ppo", 40), "tppo": ("ppo", 100), "sppo": ("ppo", 120), "spo": ("grpo", None)}
+ROOTS = ("ppo", "grpo")
 
 
-def functions(name):
-    with open(os.path.join(ROOT, f"{name}.py")) as handle:
+def functions(path):
+    with open(path) as handle:
         text = handle.read()
     return {node.name: ast.get_source_segment(text, node) for node in ast.parse(text).body
-            if isinstance(node, ast.FunctionDef)}
+            if isinstance(node, ast.FunctionDef) and node.name not in NOT_HELPERS}
 
 
-SOURCES = {name: functions(name) for name in METHOD_FILES}
-SHARED = sorted({function for name in METHOD_FILES for function in SOURCES[name]
-                 if function not in NOT_HELPERS and sum(function in SOURCES[other] for other in METHOD_FILES) > 1})
+def sources(root):
+    """{trainer: {function: source}} for the trainers found in `root`."""
+    return {name: functions(os.path.join(root, f"{name}.py")) for name in infra.cli.trainers(root)}
 
 
-def copies(function):
-    """(reference file, [other files defining `function`])."""
-    holders = [name for name in METHOD_FILES if function in SOURCES[name]]
-    return holders[0], holders[1:]
+def shared(found):
+    return sorted({function for name in found for function in found[name]
+                   if sum(function in found[other] for other in found) > 1})
 
 
-def body_lines(source):
-    return [line.strip() for line in source.splitlines()[1:] if line.strip()]
+def parent(root, name):
+    """(parent, budget): declared for the project's files; a fork's is the project file it differs from least."""
+    if name in PARENTS:
+        return PARENTS[name]
+    known = [n for n in (*ROOTS, *PARENTS) if os.path.exists(os.path.join(root, f"{n}.py")) and n != name]
+    return min(known, key=lambda other: changed_lines(root, other, name)), None
+
+
+def _files(names, possessive=False):
+    names = [f"{n}.py" + "'s" * possessive for n in names]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def copy_mismatches(found):
+    """One message per helper whose copies differ (outside ALLOWED): the copy held by the fewest files is the one
+    that changed, and the fix is to copy it to the others (or to list it in ALLOWED)."""
+    messages = []
+    for function in shared(found):
+        versions = {}
+        for name in sorted(found):
+            if function in found[name] and (name, function) not in ALLOWED:
+                versions.setdefault(found[name][function], []).append(name)
+        ranked = sorted(versions.values(), key=len, reverse=True)
+        if len(ranked) < 2:
+            continue
+        if len(ranked[0]) == len(ranked[1]):  # as many copies each way: which one was edited cannot be told
+            holders = sorted(name for names in ranked for name in names)
+            messages.append(f"{function} differs between {_files(holders)}: copy the one you changed to the "
+                            f"other{'s' * (len(holders) > 2)}, or list the changed file's {function} in ALLOWED")
+            continue
+        for changed in ranked[1:]:
+            others = sorted(name for names in ranked if names is not changed for name in names)
+            messages.append(f"{_files(changed, True)} {function} differs from {_files(others, True)}: copy "
+                            f"{changed[0]}.py's {function} to {_files(others)}, or list it in ALLOWED")
+    return messages
+
+
+SOURCES = sources(ROOT)
+SHARED = shared(SOURCES)
 
 
 def test_the_shared_helpers_are_found():
     # the helpers the six files copy today; a new copied helper joins the checks below by itself
     assert set(SHARED) >= {"aggregate", "policy_loss", "truncated_importance_weights", "k3_kl", "gae", "whiten",
                            "terminal_rewards", "value_loss", "check_args"}
+    assert set(SOURCES) >= {"ppo", "grpo", "sp3o", "tppo", "sppo", "spo"}
 
 
-@pytest.mark.parametrize("function", SHARED)
-def test_copies_are_identical_except_the_allowed_differences(function):
-    reference, others = copies(function)
-    for name in others:
-        if (name, function) in ALLOWED:
-            continue
-        assert SOURCES[name][function] == SOURCES[reference][function], f"{name}.{function} differs from {reference}.py"
+def test_copies_are_identical_except_the_allowed_differences():
+    messages = copy_mismatches(SOURCES)
+    assert not messages, "\n".join(messages)
+
+
+@pytest.mark.parametrize("name", sorted(set(SOURCES) - set(ROOTS)))
+def test_each_file_stays_within_its_diff_budget_against_its_parent(name):
+    reference, budget = parent(ROOT, name)
+    count = changed_lines(ROOT, reference, name)
+    if budget is None and name not in PARENTS:  # a fork: no budget, its size is printed
+        warnings.warn(f"fork {name}.py changes {count} lines of its parent {reference}.py (diff {reference}.py "
+                      f"{name}.py)")
+    elif budget is not None:
+        assert count <= budget, f"{name}.py changes {count} lines of {reference}.py, more than its budget {budget}"
 
 
 @pytest.mark.parametrize("name, function", sorted(ALLOWED))
 def test_allowed_differences_are_real(name, function):
-    reference, _ = copies(function)
-    assert reference != name and function in SOURCES[name], f"{name}.{function} is the reference or gone"
-    assert SOURCES[name][function] != SOURCES[reference][function], f"{name}.{function} is identical now: unlist it"
-    if ALLOWED[(name, function)].startswith("extends"):  # every line of the reference, in order
+    others = {SOURCES[other][function] for other in SOURCES if other != name and function in SOURCES[other]
+              and (other, function) not in ALLOWED}
+    assert function in SOURCES[name] and len(others) == 1, f"{name}.{function} is gone, or has no single other copy"
+    reference = others.pop()
+    assert SOURCES[name][function] != reference, f"{name}.{function} is identical now: unlist it"
+    if ALLOWED[(name, function)].startswith("extends"):  # every line of the other copies, in order
         remaining = iter(body_lines(SOURCES[name][function]))
-        missing = [line for line in body_lines(SOURCES[reference][function]) if line not in remaining]
+        missing = [line for line in body_lines(reference) if line not in remaining]
         assert not missing, f"{name}.{function} drops {missing}"
+
+
+def body_lines(source):
+    return [line.strip() for line in source.splitlines()[1:] if line.strip()]
+
+
+def copy_trainers(root):
+    """The project's own trainer files (not forks) into root."""
+    for name in (*ROOTS, *PARENTS):
+        shutil.copy(os.path.join(ROOT, f"{name}.py"), os.path.join(root, f"{name}.py"))
+
+
+def edit(path, old, new):
+    with open(path) as handle:
+        text = handle.read()
+    assert old in text
+    with open(path, "w") as handle:
+        handle.write(text.replace(old, new, 1))
+
+
+def test_an_edited_helper_names_the_file_that_changed_and_the_fix(tmp_path):
+    copy_trainers(tmp_path)
+    edit(tmp_path / "ppo.py", "Generalized advantage estimation", "GAE")  # a docstring edited in place
+    assert copy_mismatches(sources(tmp_path)) == [
+        "ppo.py's gae differs from sp3o.py's and tppo.py's: copy ppo.py's gae to sp3o.py and tppo.py, or list it in "
+        "ALLOWED"]
+    edit(tmp_path / "sp3o.py", "def whiten(values, mask, eps=1e-8):", "def whiten(values, mask, eps=1e-6):")
+    assert copy_mismatches(sources(tmp_path))[1] == (  # the one copy that differs is the one that changed
+        "sp3o.py's whiten differs from ppo.py's and tppo.py's: copy sp3o.py's whiten to ppo.py and tppo.py, or list "
+        "it in ALLOWED")
+    edit(tmp_path / "ppo.py", "Clipped value loss", "The clipped value loss")  # two copies: which one changed?
+    assert copy_mismatches(sources(tmp_path))[1] == (  # in the order of the functions' names
+        "value_loss differs between ppo.py and sp3o.py: copy the one you changed to the other, or list the changed "
+        "file's value_loss in ALLOWED")
+
+
+def test_a_fork_is_checked_against_its_parent(tmp_path):
+    copy_trainers(tmp_path)
+    shutil.copy(os.path.join(ROOT, "ppo.py"), tmp_path / "myppo.py")
+    assert "myppo" in infra.cli.trainers(tmp_path) and parent(tmp_path, "myppo") == ("ppo", None)
+    edit(tmp_path / "myppo.py", "    return advantages, (advantages + values) * mask\n",
+         "    return advantages, (advantages + values) * mask\n\n\ndef reinforce(rewards, mask):\n    return rewards\n")
+    assert copy_mismatches(sources(tmp_path)) == [] and changed_lines(tmp_path, "ppo", "myppo") == 4  # a new helper
+    edit(tmp_path / "ppo.py", "Generalized advantage estimation", "GAE")  # the parent's helper changes
+    assert copy_mismatches(sources(tmp_path)) == [
+        "ppo.py's gae differs from myppo.py's, sp3o.py's and tppo.py's: copy ppo.py's gae to myppo.py, sp3o.py and "
+        "tppo.py, or list it in ALLOWED"]
 
 
 def test_sppo_policy_loss_without_dual_clip_is_the_shared_one():

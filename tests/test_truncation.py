@@ -11,7 +11,7 @@ import pytest
 import common
 import infra.evaluate
 import infra.run
-from helpers import records
+from helpers import records, with_forks
 from scripted_engine import ScriptedEngine
 
 SMALL = ["--steps", 1, "--eval-problems", 2, "--eval-n", 1, "--max-response-tokens", 24, "--eval-max-tokens", 24,
@@ -23,6 +23,8 @@ LOOPS = {"grpo": ("grpo", SMALL), "ppo": ("ppo", SMALL + PROBED), "sp3o": ("sp3o
                                       "--tree-segment-tokens", 20]),
          "sppo": ("sppo", SMALL + PROBED + ["--samples-per-prompt", 1, "--prompts-per-step", 4,
                                             "--micro-batch-size", 2])}
+LOOPS.update({name: (name, flags) for name, flags in with_forks({t: f for t, f in LOOPS.values()}).items()
+              if name not in {t for t, _ in LOOPS.values()}})  # a fork runs with its nearest trainer's flags
 
 
 def run_loop(monkeypatch, tmp_path, trainer, argv, finish):

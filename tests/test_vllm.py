@@ -28,7 +28,7 @@ import infra.run
 import infra.tiny
 from infra import vllm_engine
 from helpers import QWEN_LIKE_RUN, QWEN_LIKE_TRAINERS, assert_same_records, check_qwen_like_run, kill_then_resume, \
-    records
+    records, with_forks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -408,8 +408,8 @@ VLLM = ["--generator", "vllm", "--vllm-kv-cache-gib", KV_GIB]
 SMALL = ["--prompts-per-step", 4, "--micro-batch-size", 16, "--eval-problems", 4]  # 32 samples, 2 mini-batches
 # tppo: top-p 1 (its published 0.95 renormalizes the engine's log-probs over the nucleus, the trainer's are not: a
 # gap by design, up to -log 0.95, with either engine)
-EXTRA = {"ppo": [], "grpo": [], "sppo": ["--prompts-per-step", 8], "sp3o": ["--critic-warmup", 1],
-         "tppo": ["--top-p", 1.0], "spo": ["--mc-samples", 2]}
+EXTRA = with_forks({"ppo": [], "grpo": [], "sppo": ["--prompts-per-step", 8], "sp3o": ["--critic-warmup", 1],
+                    "tppo": ["--top-p", 1.0], "spo": ["--mc-samples", 2]})
 
 
 @real_engine

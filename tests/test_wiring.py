@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+import infra.cli
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ONE_STEP = ["--steps", "1", "--mini-batches", "1", "--prompts-per-step", "2", "--micro-batch-size", "32",
             "--eval-problems", "1", "--seed", "0"]
@@ -88,7 +90,7 @@ def test_tppo_critic_targets_use_lambda_critic_not_lambda_actor(step_zero):
     assert not same(default, other_critic, ["critic_grad_norm"])
 
 
-@pytest.mark.parametrize("trainer", ["ppo", "grpo", "sp3o", "tppo", "sppo", "spo"])
+@pytest.mark.parametrize("trainer", infra.cli.trainers())
 def test_old_logprobs_are_the_engines_where_exact_else_recomputed(step_zero, trainer):
     # The logged gap |engine log-prob - old log-prob| is exactly 0 when the old log-probs are the HF engine's
     # (--old-logprobs auto at top-p 1, the tiny preset of all but TPPO), and float noise (> 0, < 1e-4) when the
@@ -104,7 +106,10 @@ def test_old_logprobs_are_the_engines_where_exact_else_recomputed(step_zero, tra
         assert auto["policy_loss"] == pytest.approx(recomputed["policy_loss"], abs=1e-5)
 
 
-@pytest.mark.parametrize("trainer", ["ppo", "sp3o", "tppo", "sppo"])
+CRITIC_TRAINERS = [name for name in infra.cli.trainers() if "critic_epochs" in infra.cli.trainer_defaults(name)]
+
+
+@pytest.mark.parametrize("trainer", CRITIC_TRAINERS)
 def test_critic_epochs_add_passes_of_the_critic_alone(step_zero, trainer):
     # --critic-epochs 3 (one mini-batch): the actor's one pass is the default run's (same loss, clip fraction and
     # gradient norm), the logged value loss is the mean over 3 critic passes, of which only the first is the default's.

@@ -1,0 +1,218 @@
+"""The command line of every trainer (discovered: infra.cli.trainers): --help in two groups with one default per
+flag, and a bad value of any flag refused in one line, exit code 2, before any run folder or model exists.
+
+The bad values come from each field's type (a word for a number, -1 and nan for a number, a value outside a
+Literal's choices, a value after a switch, a short pair), from infra.cli's own tables of sizes, rates and fractions,
+and, for flags whose bad value depends on their meaning (paths, names, devices), from SPECIAL: a flag added later
+with a type the generic rules do not cover fails here until it gets a case. The walk calls each trainer's own
+main() in-process under infra.run.run_main, as `python <trainer>.py ...` does, with common.load_model replaced by a
+sentinel that fails the case if reached; a few real subprocesses check that the command line behaves the same."""
+import dataclasses
+import importlib
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+import typing
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import common  # noqa: E402
+import infra.cli  # noqa: E402
+import infra.run  # noqa: E402
+
+TRAINERS = infra.cli.trainers()
+FIXTURE = os.path.join(ROOT, "tests", "fixtures", "slime_format.jsonl")
+NOT_A_FOLDER = os.path.join(ROOT, "LICENSE")  # a file where a folder is expected
+
+
+def _no_gpu_device():
+    return "cuda" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
+
+
+# flag -> argv lists, each a bad use of that flag (other flags may come with it)
+SPECIAL = {
+    "model": [["--model", "/nonexistent/model"], ["--model", "nonsense"], ["--model", NOT_A_FOLDER]],
+    "critic_model": [["--critic-model", "/nonexistent/critic"], ["--critic-model", "nonsense"]],
+    "dataset": [["--dataset", "/nonexistent/train.jsonl"], ["--dataset", "builtin:x"]],
+    "eval_datasets": [["--eval-datasets", "/nonexistent/test.jsonl"], ["--eval-datasets"]],
+    "question_field": [["--dataset", FIXTURE, "--question-field", "no.such.field"]],
+    "answer_field": [["--dataset", FIXTURE, "--answer-field", "no.such.field"]],
+    "resume": [["--resume", "/nonexistent/run"]],
+    "run_name": [["--run-name", "/"], ["--run-name", "a/b"], ["--run-name", ".."]],
+    "output_dir": [["--output-dir", os.path.join(NOT_A_FOLDER, "runs")], ["--output-dir", NOT_A_FOLDER]],
+    "device": [["--device", "nonsense"], ["--device", "mps"], ["--device", _no_gpu_device()]],
+    "seed": [["--seed", str(2 ** 32)]],
+    "steps": [["--steps", "0"]],
+    "adam_betas": [["--adam-betas", "0.9"], ["--adam-betas", "0.9", "1.0"]],
+    "anchor_ratios": [["--anchor-ratios", "1.5"], ["--anchor-ratios"]],
+    # optional packages: a bad use only where the package is missing (not installed in this project's venv)
+    "tensorboard": [["--tensorboard"]] if importlib.util.find_spec("tensorboard") is None else [],
+    "wandb_project": [["--wandb-project", "x"]] if importlib.util.find_spec("wandb") is None else [],
+}
+NO_SPECIAL_NEEDED = {str}  # a str flag needs its SPECIAL entry (its meaning decides what is bad)
+
+
+def _out_of(interval):
+    """A value outside a FRACTIONS interval such as '(0, 1]' or '[0, 1)'."""
+    return ["0"] if interval[0] == "(" else ["1.5"] if interval[-1] == "]" else ["1"]
+
+
+def bad_values(field):
+    """The argv lists that misuse `field`'s flag: by type, by infra.cli's range tables, and SPECIAL."""
+    flag, kind = infra.cli._flag(field.name), field.type
+    origin, members = typing.get_origin(kind), typing.get_args(kind)
+    cases = [list(case) for case in SPECIAL.get(field.name, [])]
+    if kind is bool:
+        cases += [[f"{flag}=maybe"], [flag, "maybe"]]
+    elif origin is typing.Literal:
+        cases += [[flag, "nonsense"], [flag, members[0].upper()]]
+    elif kind in (int, float):
+        cases += [[flag, "x"], [flag, "-1"]] + ([[flag, "1.5"]] if kind is int else [[flag, "nan"], [flag, "inf"]])
+    elif origin is tuple and members[0] in (int, float):
+        width = 1 if members[-1] is Ellipsis else len(members)
+        cases += [[flag, *["x"] * width], [flag, *["-1"] * width], [flag, *["nan"] * width]]
+    elif kind is str or origin is tuple and members[0] is str:
+        if field.name not in SPECIAL:
+            raise LookupError(f"{flag} ({kind}) has no bad value: add it to SPECIAL in tests/test_cli.py")
+    else:
+        raise LookupError(f"{flag}: no bad values for its type {kind}; add a rule to bad_values")
+    if field.name in infra.cli.POSITIVE_SIZES or field.name in infra.cli.POSITIVE_NUMBERS:
+        cases.append([flag, "0"])
+    if field.name in infra.cli.FRACTIONS:
+        width = len(members) if origin is tuple else 1
+        cases.append([flag, *_out_of(infra.cli.FRACTIONS[field.name]) * width])
+    return cases
+
+
+class ModelLoaded(Exception):
+    """common.load_model was reached: the bad value got through every check."""
+
+
+def refusal(trainer, argv, tmp_path, monkeypatch, capsys):
+    """(exit code, stderr, what else happened) of `python <trainer>.py <argv>`, run in-process in tmp_path."""
+    module = importlib.import_module(trainer)
+    work = tmp_path / "work"
+    work.mkdir(parents=True)
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(sys, "argv", [f"{trainer}.py", *argv])
+
+    def load_model(*args, **kwargs):
+        raise ModelLoaded()
+    monkeypatch.setattr(common, "load_model", load_model)
+    capsys.readouterr()
+    try:
+        infra.run.run_main(module.main)
+        code, problem = 0, "it ran"
+    except SystemExit as exit_:
+        code, problem = exit_.code, None
+    except ModelLoaded:
+        code, problem = None, "a model loaded"
+    except Exception as error:  # a traceback
+        code, problem = None, f"{type(error).__name__}: {error}"
+    err = capsys.readouterr().err
+    left = os.listdir(work)
+    monkeypatch.undo()
+    for entry in left:
+        problem = problem or f"it left {entry} in the working folder"
+    return code, err, problem
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_every_flag_refuses_a_bad_value_in_one_line(trainer, tmp_path, monkeypatch, capsys):
+    module = importlib.import_module(trainer)
+    failures, cases = [], 0
+    for number, field in enumerate(dataclasses.fields(module.Args)):
+        try:
+            argvs = bad_values(field)
+        except LookupError as error:
+            failures.append(str(error))
+            continue
+        for index, argv in enumerate(argvs):
+            cases += 1
+            code, err, problem = refusal(trainer, argv, tmp_path / f"{number}_{index}", monkeypatch, capsys)
+            lines = err.strip().splitlines()
+            if problem or code != 2 or len(lines) != 1 or not lines[0].startswith(f"{trainer}.py: error: "):
+                failures.append(f"{' '.join(argv)}: exit {code}, {problem or ''} stderr {err.strip()[-300:]!r}")
+    assert not failures, f"{trainer}.py, {len(failures)} of {cases} bad values:\n" + "\n".join(failures)
+    assert cases >= 2 * len(dataclasses.fields(module.Args)) - 10
+
+
+def test_every_field_type_has_bad_values_and_an_unknown_one_fails():
+    for trainer in TRAINERS:
+        for field in dataclasses.fields(importlib.import_module(trainer).Args):
+            assert bad_values(field), f"{trainer}.py --{field.name}"
+    new_path = dataclasses.make_dataclass("New", [("template_path", str, dataclasses.field(default=""))])
+    with pytest.raises(LookupError, match="--template-path .* has no bad value: add it to SPECIAL"):
+        bad_values(dataclasses.fields(new_path)[0])
+
+
+def test_a_wrong_choice_lists_the_choices(tmp_path, monkeypatch, capsys):
+    code, err, problem = refusal("ppo", ["--aggregation", "token_mean"], tmp_path, monkeypatch, capsys)
+    assert (code, problem) == (2, None)
+    assert err == ("ppo.py: error: invalid choice 'token_mean' for argument '--aggregation'. Expected one of "
+                   "('token-mean', 'seq-mean', 'sum-max-len'). (see --help)\n")
+
+
+# the in-process walk matches the command line: the same line and exit code from a real process
+@pytest.mark.parametrize("trainer, argv", [
+    ("ppo", ["--dtype", "fp16"]), ("ppo", ["--adam-betas", "0.9"]), ("grpo", ["--device", _no_gpu_device()]),
+    ("sp3o", ["--aggregation", "token_mean"]), ("spo", ["--dataset", "/nonexistent/train.jsonl"]),
+    ("tppo", ["--seed", "-1"])])
+def test_the_command_line_refuses_as_the_in_process_walk(trainer, argv, tmp_path, monkeypatch, capsys):
+    result = subprocess.run([sys.executable, os.path.join(ROOT, f"{trainer}.py"), *argv], cwd=tmp_path,
+                            capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    code, err, problem = refusal(trainer, argv, tmp_path, monkeypatch, capsys)
+    assert (result.returncode, result.stderr) == (code, err) == (2, err) and problem is None
+    assert len(err.splitlines()) == 1 and os.listdir(tmp_path) == ["work"]
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_help_shows_the_methods_knobs_first_then_the_run_flags_with_one_default_each(trainer, capsys):
+    module = importlib.import_module(trainer)
+    with pytest.raises(SystemExit):
+        infra.cli.parse_args(module.Args, module.TINY_PRESET, ["--help"])
+    text = capsys.readouterr().out
+    knobs, run = text.index(f"{trainer} options"), text.index("run options")
+    own = [f for f in dataclasses.fields(module.Args) if f.name not in {g.name for g in
+                                                                         dataclasses.fields(infra.cli.RunArgs)}]
+    assert knobs < text.index(infra.cli._flag(own[0].name) + " ") < run < text.index("--model STR")
+    flat = " ".join(line.strip("│ ") for line in text.splitlines())
+    assert flat.count("(default:") == len(dataclasses.fields(module.Args))  # one default per flag
+    assert "(default: cuda when available, else cpu) --dtype" in " ".join(flat.split())  # the comment's, alone
+    assert max(map(len, text.splitlines())) <= 120  # the method's docstring wrapped too
+
+
+def test_help_shows_the_values_in_effect_and_each_fields_whole_comment(capsys):
+    import ppo
+    for argv, lr in (([], "3e-05"), (["--model", "Qwen3-4B-Base"], "1e-06")):
+        with pytest.raises(SystemExit):
+            infra.cli.parse_args(ppo.Args, ppo.TINY_PRESET, [*argv, "--help"])
+        flat = " ".join(line.strip("│ ") for line in capsys.readouterr().out.splitlines())
+        assert f"policy learning rate (published: 1e-6) (default: {lr})" in " ".join(flat.split())
+    assert infra.cli.field_help(ppo.Args, "aggregation").startswith("actor and critic loss; seq-mean (published")
+
+
+def test_each_field_has_one_help_comment():
+    # The help is the comment at the end of the field's line, else the comment lines right above it: a field with
+    # both would show only the first, and the reader's explanation above it would be lost (--aggregation once read
+    # "actor, critic (verl: token-mean)").
+    for trainer in TRAINERS:
+        args_class = importlib.import_module(trainer).Args
+        for name, (above, inline) in infra.cli.field_comments(args_class).items():
+            assert bool(above) != bool(inline), f"{trainer}.py --{name}: above {above!r}, inline {inline!r}"
+
+
+def test_resumed_settings_are_the_defaults_and_the_pair_stays_a_pair(tmp_path):
+    import ppo
+    run = tmp_path / "run"
+    run.mkdir()
+    settings = dataclasses.asdict(infra.cli.parse_args(ppo.Args, ppo.TINY_PRESET, ["--adam-betas", "0.8", "0.9"]))
+    (run / "config.json").write_text(__import__("json").dumps(settings))
+    args = infra.cli.parse_args(ppo.Args, ppo.TINY_PRESET, ["--resume", str(run)])
+    assert args.adam_betas == (0.8, 0.9) and args.lr == 3e-5 and args.steps == 30
+    assert math.isclose(args.critic_lr, 5e-4)
