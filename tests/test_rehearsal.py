@@ -72,8 +72,8 @@ def test_rehearsal_at_a_small_shape_matches_its_plan_and_grows_about_linearly():
     results = json.loads([line for line in done.stdout.splitlines() if line.startswith("[")][-1])
     assert [(r["method"], r["response"]) for r in results] == [("grpo", 256), ("grpo", 512), ("ppo", 256),
                                                                ("ppo", 512)]
+    assert rehearsal.checks(results) == [], done.stdout
     for r in results:  # the plan as built: one sequence of 1,024 prompt + the response tokens per micro-batch
         assert r["plan_rows"]["logits"] == 2 * 2 * (r["response"] + 1) * 151936  # the policy's (PPO: the larger pass)
         assert r["update_seconds"] > 0 and r["peak"] > r["plan_rows"]["weights"]
-    assert rehearsal.checks(results) == [], done.stdout
     assert done.returncode == 0 and "growth about linear: yes" in done.stdout
