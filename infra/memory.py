@@ -4,7 +4,8 @@ ranks (FSDP2 shards weights, gradients and AdamW states over them), the dtype po
 states, bf16 compute), gradient checkpointing, the micro-batch token budget and the vLLM engine's share.
 Run.__init__ prints it when a real-model run starts (the tiny demo: with --gpu-memory-gib) and refuses, in one line
 naming flags that fit, a plan larger than the device. `python -m infra.memory --table`: the README's scaling table.
-Estimates from shapes, not measurements: not yet compared with a measured GPU peak."""
+Estimates from shapes, not measurements: not yet compared with a measured GPU peak; compared with measured CPU peaks
+at Qwen3-0.6B's shapes by benchmarks/rehearsal.py (docs/scaling.md)."""
 import ctypes
 import dataclasses
 import importlib.util
@@ -239,26 +240,30 @@ def check(args, trainer_file, device):
                         f"GiB {source}: {advice}")
 
 
-def gpus_needed(method, shape, offload, tokens, gpu_gib=80, utilization=0.3, sequence=PROMPT_TOKENS + 8192):
-    """(fewest ranks of 1, 2, 4 ... 64 that fit GPUs of gpu_gib, host bytes per rank) or (None, 0); else defaults."""
+def gpus_needed(method, shape, offload, tokens, gpu_gib=80, utilization=0.3, sequence=PROMPT_TOKENS + 8192, rows=0):
+    """(fewest ranks of 1, 2, 4 ... 64 that fit GPUs of gpu_gib, host bytes per rank) or (None, 0); else defaults.
+    rows: sequences per micro-batch (0: packed by tokens)."""
     models = [("policy", shape, 0, True)] + [("critic", shape, 1, True)] * (method in CRITIC_METHODS) + \
         [("reference", shape, 0, False)] * (method in REFERENCE_METHODS)
     for ranks in (1, 2, 4, 8, 16, 32, 64):
-        rows = plan(Setup(tuple(models), ranks, offload, tokens, sequence, engine_bytes=utilization * gpu_gib * GIB))
-        if peak(rows) <= gpu_gib * GIB:
-            return ranks, sum(row[4] for row in rows)
+        lines = plan(Setup(tuple(models), ranks, offload, tokens, sequence, engine_bytes=utilization * gpu_gib * GIB,
+                           rows=rows))
+        if peak(lines) <= gpu_gib * GIB:
+            return ranks, sum(line[4] for line in lines)
     return None, 0
 
 
 def scaling_table(gpu_gib=80, budgets=(16384, 8 * (PROMPT_TOKENS + 8192))):
-    """Markdown: per method and Qwen3 size, GPUs needed at each micro-batch token budget, without and with offload."""
+    """Markdown: per method and Qwen3 size, GPUs needed at each micro-batch token budget, without and with offload;
+    the last budget is the default micro-batch of 8 sequences."""
     lines = ["| method | model | " + " | ".join(f"{t:,} tokens: {gpu_gib:g} GiB GPUs | offloaded: GPUs (host per GPU)"
                                               for t in budgets) + " |", "|---|---|" + "---:|---:|" * len(budgets)]
     for method, name in itertools.product(("grpo", "ppo", "sp3o", "tppo", "sppo", "spo"), ("0.6B", "4B", "8B")):
         cells = []
         for tokens in budgets:
-            plain, (offloaded, host) = (gpus_needed(method, Shape(*QWEN3["Qwen3-" + name]), offload, tokens, gpu_gib)
-                                        for offload in (False, True))
+            rows = 8 if tokens == budgets[-1] else 0
+            plain, (offloaded, host) = (gpus_needed(method, Shape(*QWEN3["Qwen3-" + name]), offload, tokens, gpu_gib,
+                                                    rows=rows) for offload in (False, True))
             cells += [f"{plain[0] or '> 64'}", f"{offloaded} ({host / GIB:.0f} GiB)" if offloaded else "> 64"]
         lines.append(f"| `{method}.py` | Qwen3-{name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -9,9 +9,9 @@ import infra.cli
 import infra.memory as memory
 from infra.memory import GIB, Setup, Shape
 
+from benchmarks import rehearsal
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-import rehearsal  # noqa: E402
 
 
 def test_checks_flag_a_plan_off_by_more_than_the_tolerance_and_faster_than_linear_growth():
@@ -64,10 +64,10 @@ def test_setup_for_a_cpu_run_plans_its_dtype_and_micro_batch():
 def test_rehearsal_at_a_small_shape_matches_its_plan_and_grows_about_linearly():
     """One layer of hidden 128 over Qwen3's 151,936-token vocabulary, responses of 256 and 512 tokens, GRPO and PPO:
     each update's measured peak within 20% of the plan; the peak at 512 at most 2.5 x the one at 256."""
-    done = subprocess.run([sys.executable, "benchmarks/rehearsal.py", "--layers", "1", "--hidden", "128", "--heads", "2",
-                           "--kv-heads", "1", "--head-dim", "64", "--intermediate", "384", "--lengths", "256", "512",
-                           "--json"], cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    small = ["--layers", "1", "--hidden", "128", "--heads", "2", "--kv-heads", "1", "--head-dim", "64",
+             "--intermediate", "384", "--lengths", "256", "512", "--json"]
+    done = subprocess.run([sys.executable, "benchmarks/rehearsal.py", *small], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode in (0, 1), done.stderr[-3000:]
     results = json.loads([line for line in done.stdout.splitlines() if line.startswith("[")][-1])
     assert [(r["method"], r["response"]) for r in results] == [("grpo", 256), ("grpo", 512), ("ppo", 256),
