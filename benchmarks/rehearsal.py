@@ -17,6 +17,8 @@ step per model. The AdamW states exist before it (a warm-up step on zero gradien
 Each method and length runs in a fresh process; its peak memory is that process's resident high-water mark (VmHWM),
 everything included (imports, model build, update). The plan: infra.memory.plan for the same models and settings (one
 sequence per micro-batch, checkpointing, bf16 compute, a CPU process), its update column (no rollout is run here).
+One torch thread (OMP_NUM_THREADS=1): the CPU is shared, where 2 threads ran slower (bench_update.py's --threads).
+The default run took 10 min 34 s on this 2-core machine at load 3-6 and peaked at 10.6 GiB (PPO, 4,096 tokens).
 On the shared CPU machine wall times are inflated by other processes: the table prints the load average.
 """
 import argparse
@@ -80,7 +82,8 @@ def one_update(args):
     from benchmarks.bench_update import build_model, random_batch
     from infra.memory import keep_freed_host_memory
     torch.set_num_threads(args.threads)
-    keep_freed_host_memory()  # as infra.run.Run does on CPU
+    if not args.glibc_default:
+        keep_freed_host_memory()  # as infra.run.Run does on CPU
     config = model_config(args)
     overrides = {key: value for key, value in config.items() if key != "num_hidden_layers"}
 
@@ -92,7 +95,8 @@ def one_update(args):
     policy = build()
     critic = build(value_head=1) if args.method == "ppo" else None
     models = [policy] + [critic] * (critic is not None)
-    hyper = (ppo.Args if critic is not None else grpo.Args)()  # the published lr, betas, weight decay, clips
+    method = ppo if critic is not None else grpo
+    hyper = method.Args()  # the published lr, betas, weight decay, clips, aggregation
     optimizers = [torch.optim.AdamW(model.parameters(), lr=lr, betas=hyper.adam_betas, weight_decay=hyper.weight_decay)
                   for model, lr in zip(models, (hyper.lr, getattr(hyper, "critic_lr", 0)))]
     for optimizer in optimizers:
@@ -119,9 +123,9 @@ def one_update(args):
             ppo.value_loss(values, old_values[micro, :width], returns[micro, :width], critic_weights[micro, :width],
                            hyper.value_clip, num_tokens=critic_weights.sum().item()).backward()
         logprobs = common.response_logprobs(policy, micro_batch)
-        loss, _ = grpo.policy_loss(logprobs, old_logprobs[micro, :width], advantages[micro, :width],
-                                   micro_batch.response_mask, hyper.clip_low, hyper.clip_high, hyper.aggregation,
-                                   **counts)
+        loss, _ = method.policy_loss(logprobs, old_logprobs[micro, :width], advantages[micro, :width],
+                                     micro_batch.response_mask, hyper.clip_low, hyper.clip_high, hyper.aggregation,
+                                     **counts)
         loss.backward()
     for model, optimizer in zip(models, optimizers):
         torch.nn.utils.clip_grad_norm_(model.parameters(), hyper.grad_clip)
@@ -138,6 +142,7 @@ def measure(args, method, response):
     for name, value in vars(args).items():
         if name in ("layers", "samples", "threads", *SHAPE_FLAGS):
             argv += [f"--{name.replace('_', '-')}", str(value)]
+    argv += ["--glibc-default"] * args.glibc_default
     done = subprocess.run(argv, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
     if done.returncode:
         sys.exit(f"the {method} update at {response} tokens failed:\n{done.stderr[-3000:]}")
@@ -145,7 +150,8 @@ def measure(args, method, response):
 
 
 def rehearse(args):
-    """[dict(method, response, measured, planned, seconds...)] for every method and length, and the printed table."""
+    """[dict(method, response, planned, plan_rows, peak, old_seconds, update_seconds, load)] for every method and
+    length: each measured in its own process, planned here."""
     config, results = model_config(args), []
     for method in args.methods:
         for response in args.lengths:
@@ -156,7 +162,7 @@ def rehearse(args):
     return results
 
 
-def report(args, results):
+def report(results):
     lines = [f"| method | response tokens | measured peak GiB | plan GiB | plan / measured | update s | "
              f"old log-probs s | load |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
@@ -190,6 +196,8 @@ def main():
     for flag, field in SHAPE_FLAGS.items():
         parser.add_argument(f"--{flag.replace('_', '-')}", type=int, default=0,
                             help=f"{field} (default: Qwen3-0.6B's)")
+    parser.add_argument("--glibc-default", action="store_true", help="glibc's allocator at its defaults (freed large "
+                        "blocks go back to the system), not keep_freed_host_memory as the trainers set it on CPU")
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
     parser.add_argument("--response", type=int, default=0, help=argparse.SUPPRESS)
@@ -205,11 +213,11 @@ def main():
           f"{config['vocab_size']:,}), bf16 compute, float32 weights, gradient checkpointing; a rollout of "
           f"{args.samples} sequences of {PROMPT_TOKENS} prompt + the response tokens, one per micro-batch\n")
     results = rehearse(args)
-    print(report(args, results))
+    print(report(results))
     print(f"\nload average after: {os.getloadavg()[0]:.2f}; measured: each update's process, resident high-water mark "
           f"(VmHWM); plan: infra.memory.plan's update column")
     if args.json:
-        print(json.dumps([{key: value for key, value in r.items()} for r in results]))
+        print(json.dumps(results))
     failed = checks(results)
     print("plan within +-20% of the measured peak at every length, growth about linear: " +
           ("no: " + "; ".join(failed) if failed else "yes"))
