@@ -31,15 +31,21 @@ QWEN3_0_6B_SHAPE = dict(hidden_size=1024, num_hidden_layers=28, num_attention_he
                         max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6)
 
 
-def build_model(name, device, dtype, layers=0):
+def build_model(name, device, dtype, layers=0, value_head=0, **overrides):
+    """The tiny model, or a randomly initialized Qwen3-0.6B-shaped one (config fields in `overrides` replace its
+    shape's); value_head=k: the backbone with k scalar outputs per position, as common.load_model builds a critic."""
     if name == "tiny":
         model, _ = common.load_model("tiny", dtype, device)
         return model
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3ForTokenClassification
     torch.manual_seed(0)
     with torch.device(device):
-        shape = {**QWEN3_0_6B_SHAPE, **({"num_hidden_layers": layers} if layers else {})}
-        model = Qwen3ForCausalLM(Qwen3Config(**shape))
+        shape = {**QWEN3_0_6B_SHAPE, **({"num_hidden_layers": layers} if layers else {}), **overrides}
+        model = Qwen3ForTokenClassification(Qwen3Config(**shape, num_labels=value_head)) if value_head else \
+            Qwen3ForCausalLM(Qwen3Config(**shape))
+    for module in model.modules():  # as common.load_model: no dropout (the value head's classifier_dropout)
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
     model.compute_dtype = getattr(torch, dtype)  # as common.load_model: float32 weights, forward in `dtype` (autocast)
     return model
 

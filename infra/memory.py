@@ -5,7 +5,8 @@ states, bf16 compute), gradient checkpointing, the micro-batch token budget and 
 Run.__init__ prints it when a real-model run starts (the tiny demo: with --gpu-memory-gib) and refuses, in one line
 naming flags that fit, a plan larger than the device or than this machine's available memory (a CPU run's whole
 plan; the host column). `python -m infra.memory --table`: the README's scaling table.
-Estimates from shapes, not measurements: not yet compared with a measured GPU peak."""
+Estimates from shapes, not measurements: not yet compared with a measured GPU peak; compared with measured CPU peaks
+at Qwen3-0.6B's shapes by benchmarks/rehearsal.py (docs/scaling.md)."""
 import ctypes
 import dataclasses
 import importlib.util
@@ -19,6 +20,9 @@ from infra.cli import trainer_defaults, trainers
 GIB = 2 ** 30
 PROMPT_TOKENS = 1024  # planning allowance for a prompt (no flag caps prompts; GSM8K/MATH prompts are shorter)
 OVERHEAD = GIB  # CUDA context, cuBLAS/NCCL workspaces, allocator slack: an assumption, not measured
+CPU_BASELINE = GIB // 3  # a CPU run's process before its models: Python, torch, transformers (measured: 0.32 GiB)
+CPU_HEAP_SLACK = 0.15  # a CPU run's freed blocks that glibc keeps, over its live bytes (benchmarks/rehearsal.py:
+# measured 10-35% with keep_freed_host_memory, more at small shapes; not derived, fitted)
 HF_ENGINE_BATCH = 256  # sequences per Hugging Face generate call (infra.engine.HFGenerator's batch_size)
 QWEN3 = {  # published config.json: hidden, layers, heads, KV heads, head_dim, intermediate, vocab, tied embeddings
     "Qwen3-0.6B": (1024, 28, 16, 8, 128, 3072, 151936, True), "Qwen3-1.7B": (2048, 28, 16, 8, 128, 6144, 151936, True),
@@ -83,14 +87,21 @@ class Setup:
     compute_bytes: int = 2  # bf16 compute (4: float32)
     engine: str = "vllm"  # the rollout engine: vllm (its share of the device) or hf (generate on a policy copy)
     engine_bytes: float = 0.0  # vLLM's share: --gpu-memory-utilization x device memory
+    cpu: bool = False  # a CPU run: the plan is of the process's resident memory, its baseline for the CUDA context
+    rows: int = 0  # sequences per micro-batch (--micro-batch-size); 0: packed by tokens (--micro-batch-tokens)
 
 
 def training_pass(shape, value_head, setup):
-    """(compute copies, activations, logits) in bytes of one micro-batch's forward and backward through a trained
-    model. Per token, one decoder layer saves for backward: its two RMSNorms' float32 input and normalized copy
-    (2 x 8h), the normed inputs of the projections in the compute dtype (2bh), q/k norms in float32 (8(q + kv)),
-    SDPA's q and k, v repeated to all heads, its output and o_proj's input (5bq; a padding mask rules out SDPA's
-    own GQA), the MLP's gate, up, SiLU(gate) and product (4bI)."""
+    """(compute copies, activations, logits, gradient buffers) in bytes of one micro-batch's forward and backward
+    through a trained model. Per token, one decoder layer saves for backward: its two RMSNorms' float32 input and
+    normalized copy (2 x 8h), the normed inputs of the projections in the compute dtype (2bh), q/k norms in float32
+    (8(q + kv)), SDPA's q and k, v repeated to all heads, its output and o_proj's input (5bq; a padding mask rules out
+    SDPA's own GQA), the MLP's gate, up, SiLU(gate) and product (4bI). Logits: the response's columns only
+    (common.response_forward keeps T + 1 of them), or every token when packed by tokens (prompts may be short).
+    Gradient buffers (one process, from the second micro-batch of a mini-batch on): autograd makes each gradient
+    before adding it to the accumulated one; the largest waiting at once are the embedding matrix's, a tied LM
+    head's float32 gradient held until the embedding's own arrives at the end of the backward pass, and that one
+    (2 x 4Vh; untied or a value head: 4Vh). Measured on CPU (benchmarks/rehearsal.py); FSDP2: its own accounting."""
     h, b, tokens, sharded = shape.hidden, setup.compute_bytes, setup.tokens, setup.ranks > 1 or setup.offload
     q, kv, layer = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.layer_parameters()
     if sharded:  # FSDP2: the root unit (embeddings, norm, head) stays gathered from forward to backward; two layers
@@ -102,8 +113,10 @@ def training_pass(shape, value_head, setup):
     saved = 16 * h + 2 * b * h + 8 * (q + kv) + 5 * b * q + 4 * b * shape.intermediate
     per_token = shape.layers * residual * h + saved if setup.checkpointing else shape.layers * saved
     activations = tokens * per_token + tokens * min(setup.sequence, tokens)  # + SDPA's boolean B x S x S mask
-    logits = 0 if value_head else 2 * b * tokens * shape.vocab  # bf16 logits and their gradient, no float32 copy
-    return compute, activations, logits
+    columns = setup.rows * (setup.sequence - PROMPT_TOKENS + 1) if setup.rows else tokens
+    logits = 0 if value_head else 2 * b * columns * shape.vocab  # bf16 logits and their gradient, no float32 copy
+    buffers = 0 if sharded else 4 * shape.vocab * h * (1 + (shape.tied and not value_head))
+    return compute, activations, logits, buffers
 
 
 def plan(setup):
@@ -112,8 +125,8 @@ def plan(setup):
     every = sum(shape.parameters(head) for _, shape, head, _ in setup.models)
     trained = sum(shape.parameters(head) for _, shape, head, train in setup.models if train)
     weights, gradients, adam = 4 * every / ranks, 4 * trained / ranks, 8 * trained / ranks
-    passes = [training_pass(shape, head, setup) for _, shape, head, train in setup.models if train] or [(0, 0, 0)]
-    compute, activations, logits = max(passes, key=sum)
+    passes = [training_pass(shape, head, setup) for _, shape, head, train in setup.models if train] or [(0,) * 4]
+    compute, activations, logits, buffers = max(passes, key=sum)
     policy = setup.models[0][1]
     if setup.engine == "vllm":  # asleep during the update (level 1: its bf16 weights wait in host memory)
         engine = (0, setup.engine_bytes, 2 * policy.parameters())
@@ -126,13 +139,18 @@ def plan(setup):
                        for role, count in ((role, shape.parameters(head)) for role, shape, head, _ in setup.models))
     where = f"over {ranks} rank{'s' * (ranks > 1)}" + ", in host memory" * setup.offload
     layers = "checkpointed layers" if setup.checkpointing else "every layer (no checkpointing)"
-    return [("weights", f"float32, {roles}, {where}", weights * on_gpu, weights * on_gpu, weights * setup.offload),
+    rows = [("weights", f"float32, {roles}, {where}", weights * on_gpu, weights * on_gpu, weights * setup.offload),
             ("gradients", "float32, trained models", gradients * on_gpu, 0, gradients * setup.offload),
             ("AdamW states", "float32, 2 per trained parameter", adam * on_gpu, adam * on_gpu, adam * setup.offload),
             ("compute copies", "bf16 weights in use (autocast casts or FSDP units)", compute, 0, 0),
             ("activations", f"{setup.tokens:,} tokens per micro-batch, {layers}", activations, 0, 0),
-            ("logits", "vocab x tokens in bf16, and their gradient", logits, 0, 0),
-            ("engine", engine_what, *engine), ("overhead", "CUDA context, workspaces (assumed)", OVERHEAD, OVERHEAD, 0)]
+            ("logits", "vocab x response tokens in bf16, and their gradient", logits, 0, 0),
+            ("grad buffers", "the embedding's gradients before they are accumulated", buffers, 0, 0),
+            ("engine", engine_what, *engine)]
+    if setup.cpu:  # the process's own baseline, and the freed blocks glibc keeps (keep_freed_host_memory)
+        return rows + [("overhead", f"Python, torch; {CPU_HEAP_SLACK:.0%} freed blocks kept (CPU)", *(
+            CPU_BASELINE + CPU_HEAP_SLACK * sum(row[column] for row in rows) for column in (2, 3)), 0)]
+    return rows + [("overhead", "CUDA context, workspaces (assumed)", OVERHEAD, OVERHEAD, 0)]
 
 
 def peak(rows):
@@ -178,7 +196,7 @@ def fitting_flags(setup, limit, host=None):
     offload = [] if setup.offload or host else [("--offload-optimizer", dict(offload=True))]
     budgets = sorted({t for t in (2 ** 16, 2 ** 15, 2 ** 14, 2 ** 13, 2 ** 12, setup.sequence)
                       if setup.sequence <= t < setup.tokens}, reverse=True)
-    tokens = [(f"--micro-batch-tokens {t}", dict(tokens=t)) for t in budgets]
+    tokens = [(f"--micro-batch-tokens {t}", dict(tokens=t, rows=0)) for t in budgets]
     policy = setup.models[0][1]  # smaller Qwen3 critics, largest first, for a Qwen3 policy (they share its tokenizer)
     own_critic = any(role == "critic" and shape == policy for role, shape, *_ in setup.models)
     critics = [(f"--critic-model {name}-Base", dict(models=tuple(
@@ -222,9 +240,11 @@ def setup_for(args, device, gpu_bytes):
     share = args.gpu_memory_utilization * gpu_bytes if vllm else 0.0
     if not gpu_bytes and args.generator == "vllm":  # vLLM's CPU build: a KV cache of --vllm-kv-cache-gib
         vllm, share = True, args.vllm_kv_cache_gib * GIB
+    rows = 0 if args.micro_batch_tokens else args.micro_batch_size
+    float32 = args.dtype == "float32" or args.dtype == "auto" and not gpu_bytes  # auto: float32 on CPU
     return Setup(tuple(models), dist.world_size(), args.offload_optimizer, tokens, sequence,
-                 args.gradient_checkpointing, 4 if args.dtype == "float32" or not gpu_bytes else 2,
-                 "vllm" if vllm else "hf", share), None
+                 args.gradient_checkpointing, 4 if float32 else 2, "vllm" if vllm else "hf", share, not gpu_bytes,
+                 rows), None
 
 
 def check(args, trainer_file, device):
@@ -274,27 +294,31 @@ def host_refusal(setup, available, cpu, ranks_here=1):
            f"{available / GIB:.1f} GiB available: {advice}"
 
 
-def gpus_needed(method, shape, offload, tokens, gpu_gib=80, utilization=0.3, sequence=PROMPT_TOKENS + 8192):
-    """(fewest ranks of 1, 2, 4 ... 64 that fit GPUs of gpu_gib, host bytes per rank) or (None, 0); else defaults."""
+def gpus_needed(method, shape, offload, tokens, gpu_gib=80, utilization=0.3, sequence=PROMPT_TOKENS + 8192, rows=0):
+    """(fewest ranks of 1, 2, 4 ... 64 that fit GPUs of gpu_gib, host bytes per rank) or (None, 0); else defaults.
+    rows: sequences per micro-batch (0: packed by tokens)."""
     knobs = trainer_defaults(method)  # a critic: --critic-model; a reference: a published --kl-coef > 0 (spo)
     models = [("policy", shape, 0, True)] + [("critic", shape, 1, True)] * ("critic_model" in knobs) + \
         [("reference", shape, 0, False)] * (knobs.get("kl_coef", 0) > 0)
     for ranks in (1, 2, 4, 8, 16, 32, 64):
-        rows = plan(Setup(tuple(models), ranks, offload, tokens, sequence, engine_bytes=utilization * gpu_gib * GIB))
-        if peak(rows) <= gpu_gib * GIB:
-            return ranks, sum(row[4] for row in rows)
+        lines = plan(Setup(tuple(models), ranks, offload, tokens, sequence, engine_bytes=utilization * gpu_gib * GIB,
+                           rows=rows))
+        if peak(lines) <= gpu_gib * GIB:
+            return ranks, sum(line[4] for line in lines)
     return None, 0
 
 
 def scaling_table(gpu_gib=80, budgets=(16384, 8 * (PROMPT_TOKENS + 8192))):
-    """Markdown: per method and Qwen3 size, GPUs needed at each micro-batch token budget, without and with offload."""
+    """Markdown: per method and Qwen3 size, GPUs needed at each micro-batch token budget, without and with offload;
+    the last budget is the default micro-batch of 8 sequences."""
     lines = ["| method | model | " + " | ".join(f"{t:,} tokens: {gpu_gib:g} GiB GPUs | offloaded: GPUs (host per GPU)"
                                               for t in budgets) + " |", "|---|---|" + "---:|---:|" * len(budgets)]
     for method, name in itertools.product(trainers(), ("0.6B", "4B", "8B")):  # every trainer file, forks too
         cells = []
         for tokens in budgets:
-            plain, (offloaded, host) = (gpus_needed(method, Shape(*QWEN3["Qwen3-" + name]), offload, tokens, gpu_gib)
-                                        for offload in (False, True))
+            rows = 8 if tokens == budgets[-1] else 0
+            plain, (offloaded, host) = (gpus_needed(method, Shape(*QWEN3["Qwen3-" + name]), offload, tokens, gpu_gib,
+                                                    rows=rows) for offload in (False, True))
             cells += [f"{plain[0] or '> 64'}", f"{offloaded} ({host / GIB:.0f} GiB)" if offloaded else "> 64"]
         lines.append(f"| `{method}.py` | Qwen3-{name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
