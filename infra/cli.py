@@ -5,6 +5,7 @@ use, and the trainers found at the repository root (trainers(): forks too).
 """
 import ast
 import contextlib
+import copy
 import dataclasses
 import functools
 import inspect
@@ -158,7 +159,8 @@ def _group(name, doc, args_class, fields, defaults):
             help_ = help_.replace(own_default.group(0), "")
         hint = "" if own_default and value == field.default else None
         members.append((field.name, Annotated[field.type, tyro.conf.arg(help=help_, help_behavior_hint=hint)],
-                        dataclasses.field(default=value)))
+                        dataclasses.field(default_factory=functools.partial(copy.copy, value))
+                        if isinstance(value, (list, dict, set)) else dataclasses.field(default=value)))
     group = dataclasses.make_dataclass(name, members)
     group.__doc__ = (doc or "").strip()
     return Annotated[group, tyro.conf.OmitArgPrefixes, tyro.conf.arg(name=name)], group(
@@ -257,16 +259,15 @@ def _flag(name):
 def check_ranges(args):
     """Refuse sizes and rates no run can use, in one line, before any model loads: every number (tuples' too) is
     finite and not negative, sizes are at least 1, rates positive, fractions within their interval."""
-    for field in dataclasses.fields(args):
-        values = getattr(args, field.name)
-        for value in values if isinstance(values, tuple) else (values,):
+    for name, values in vars(args).items():  # a dataclass instance, or a namespace of a few flags
+        for value in values if isinstance(values, (tuple, list)) else (values,):
             if isinstance(value, (int, float)) and not isinstance(value, bool) and not (
                     math.isfinite(value) and value >= 0):
-                raise UserError(f"{_flag(field.name)} must be a number >= 0, got {value}")
-            interval = FRACTIONS.get(field.name)
+                raise UserError(f"{_flag(name)} must be a number >= 0, got {value}")
+            interval = FRACTIONS.get(name)
             if interval and not ((0 <= value if interval[0] == "[" else 0 < value) and
                                  (value <= 1 if interval[-1] == "]" else value < 1)):
-                raise UserError(f"{_flag(field.name)} must be in {interval}, got {value}")
+                raise UserError(f"{_flag(name)} must be in {interval}, got {value}")
     for name in POSITIVE_SIZES:
         if getattr(args, name, 1) < 1:
             raise UserError(f"{_flag(name)} must be at least 1, got {getattr(args, name)}")

@@ -72,7 +72,7 @@ def test_auto_is_hf_on_cpu(tiny_cpu):
 
 def test_kv_cache_size_must_be_positive():
     for bad in (0.0, -1.0, float("nan")):
-        with pytest.raises(infra.UserError, match="--vllm-kv-cache-gib must be a positive number"):
+        with pytest.raises(infra.UserError, match="--vllm-kv-cache-gib must be a (positive number|number >= 0)"):
             infra.cli.check_ranges(types.SimpleNamespace(vllm_kv_cache_gib=bad))
 
 
