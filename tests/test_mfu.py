@@ -1,0 +1,37 @@
+"""benchmarks/mfu.py counts the update's useful FLOPs as its docstring (and docs/speed.md) define them, and its MFU is
+those FLOPs over the printed step time and ceiling: the headline number cannot drift from its definition."""
+import os
+import re
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NUMBER = r"(\d+\.\d+(?:e[+-]\d+)?)"
+
+
+def test_mfu_counts_the_documented_flops_on_the_tiny_model():
+    done = subprocess.run([sys.executable, "benchmarks/mfu.py", "--model", "tiny", "--rows", "2", "--prompt-length",
+                           "4", "--response-length", "6", "--steps", "1", "--warmup", "0", "--ceiling-seconds", "0.01"],
+                          cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = done.stdout
+    # models/tiny/config.json: 2 layers, hidden 128, 4 heads x 32 (q = 128), 2 key-value heads x 32 (kv = 64), MLP
+    # 512, vocabulary 100. Matmul parameters of a layer: q 128x128, k and v 128x64 each, o 128x128, gate, up and
+    # down 128x512 each = 16,384 + 2 x 8,192 + 16,384 + 3 x 65,536 = 245,760; two layers: 491,520.
+    # Rows: 2 of 4 + 6 = 10 tokens. Decoder: 6 x 491,520 x 20 = 58,982,400. LM head over the 6 response positions
+    # of each row (the embedding lookup and the 7th kept logit column not counted): 6 x 128 x 100 x 12 = 921,600.
+    # Attention: 6 x 2 layers x 128 x 2 rows x 10^2 = 307,200 (12 x L x heads x head_dim x s^2 / 2 per row).
+    decoder, head, attention = 58_982_400, 921_600, 307_200
+    total = float(re.search(rf"useful FLOPs per step: {NUMBER} = decoder matmuls {NUMBER} \+ LM head {NUMBER} "
+                            rf"\+ attention {NUMBER}", printed).group(1))
+    parts = [float(value) for value in re.search(rf"decoder matmuls {NUMBER} \+ LM head {NUMBER} \+ attention "
+                                                 rf"{NUMBER}", printed).groups()]
+    assert parts == [decoder, head, attention] and total == decoder + head + attention == 60_211_200
+    flops, seconds, rate, share = map(float, re.search(
+        rf"MFU: {NUMBER} FLOP / {NUMBER} s = {NUMBER} GFLOP/s = {NUMBER}% of the ceiling", printed).groups())
+    ceiling = float(re.search(rf"ceiling: {NUMBER} GFLOP/s", printed).group(1))
+    step = float(re.search(rf"step times: {NUMBER} s", printed).group(1))
+    assert flops == total and abs(seconds - step) <= 1e-3  # one timed step: the median is that step
+    assert abs(rate - flops / seconds / 1e9) <= 0.01 * rate
+    assert abs(share - 100 * rate / ceiling) <= 0.01 * share + 0.01
