@@ -84,7 +84,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--steps", type=int, default=3, help="timed steps (their median is reported)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the ceiling is measured with them)")
-    parser.add_argument("--ceiling-seconds", type=float, default=1.0, help="time each ceiling matmul at least this long")
+    parser.add_argument("--ceiling-seconds", type=float, default=1.0, help="time each ceiling matmul this long")
     parser.add_argument("--dense-embedding-gradient", action="store_true", help="leave the tied input embedding's "
                         "gradient dense (as before common.sparse_tied_embedding_gradient; the trainers set it)")
     parser.add_argument("--profile", action="store_true", help="also print torch.profiler's table of one more step")
