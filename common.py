@@ -122,7 +122,8 @@ def response_forward(model, batch):
     if len(prompts) == len(batch.input_ids) or dist.sharded() or cache_name is None or any(
             getattr(module, "gradient_checkpointing", False) for module in model.modules()):
         outputs = forward(model, batch, **({"logits_to_keep": batch.response_width + 1} if keep else {}))
-        outputs.logits = outputs.logits[:, -batch.response_width - 1:]
+        if outputs.logits.shape[1] > batch.response_width + 1:  # a value head's; a no-op slice's backward fills zeros
+            outputs.logits = outputs.logits[:, -batch.response_width - 1:]
         return outputs
     first = torch.zeros(len(prompts), dtype=torch.long, device=rows.device).scatter_(
         0, rows, torch.arange(len(rows), device=rows.device))  # a row of each distinct prompt

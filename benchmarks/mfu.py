@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import torch  # noqa: E402
 
 import common  # noqa: E402
-from bench_update import build_model, random_batch, update_step  # noqa: E402
+from bench_update import build_model, peak_memory_gib, random_batch, update_step  # noqa: E402
 from ceiling import ceiling_flops_per_second, measure  # noqa: E402
 from infra.memory import keep_freed_host_memory  # noqa: E402
 
@@ -111,7 +111,8 @@ def main():
     ceiling = ceiling_flops_per_second(results, config.num_hidden_layers)
     parts = useful_flops(config, args.rows, args.prompt_length, args.response_length)
     flops = sum(parts)
-    print(f"step times: {', '.join(f'{t:.3f}' for t in times)} s (load average {load:.2f})")
+    print(f"step times: {', '.join(f'{t:.3f}' for t in times)} s (load average {load:.2f}); peak resident memory "
+          f"{peak_memory_gib('cpu'):.2f} GiB")
     print(f"useful FLOPs per step: {flops:.6e} = decoder matmuls {parts[0]:.6e} + LM head {parts[1]:.6e} + "
           f"attention {parts[2]:.6e}")
     print(f"ceiling: {ceiling / 1e9:.2f} GFLOP/s ({args.dtype} matmul mix; load average {os.getloadavg()[0]:.2f})")
