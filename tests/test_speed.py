@@ -70,3 +70,32 @@ def test_sparse_tied_embedding_gradient_keeps_the_gradients(tied):
     assert model.get_input_embeddings().sparse == tied
     for name, dense in grads[0].items():
         torch.testing.assert_close(grads[1][name], dense, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_hf_engine_casts_each_weight_once_per_call_under_autocast():
+    """In bf16 (autocast over float32 weights) the HF engine's decode steps reuse autocast's cast of each weight:
+    inference_mode turns that cache off, and then every step cast every weight again (for the tied [V x h]
+    embedding: one cast per sampled token)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from infra.engine import HFGenerator
+    from infra.tiny import builtin_rows
+
+    class CountEmbeddingCasts(TorchDispatchMode):
+        def __init__(self, shape):
+            super().__init__()
+            self.shape, self.count = shape, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            casts = (torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype)  # to.dtype: under inference_mode
+            if func in casts and tuple(args[0].shape) == self.shape:
+                self.count += 1
+            return func(*args, **kwargs)
+
+    model, tokenizer = common.load_model("tiny", "bfloat16", "cpu")
+    prompts = [common.prompt_ids(tokenizer, row["question"]) for row in builtin_rows("train", 2, 0)]
+    counter = CountEmbeddingCasts(tuple(model.get_input_embeddings().weight.shape))
+    with counter:
+        completions = HFGenerator(model, tokenizer).generate(prompts, 2, 6)
+    assert [len(c.token_ids) for c in completions] == [6] * 4  # six decode steps (the model answers in ~37 tokens)
+    assert counter.count == 1
