@@ -50,6 +50,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--engines", nargs="+", default=["hf", "vllm"])
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--max-model-len", type=int, default=4096, help="the saved Qwen3-0.6B-shaped model's "
+                        "max_position_embeddings (Qwen3-0.6B's 40,960 need more KV cache than vLLM's 1 GiB default)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from infra.engine import make_generator
@@ -60,7 +62,11 @@ def main():
         else:
             from transformers import AutoTokenizer
             from bench_update import build_model
-            build_model(args.model, "cpu", "float32", args.layers).save_pretrained(folder)
+            model = build_model(args.model, "cpu", "float32", args.layers)
+            # vLLM refuses to start unless its KV cache (1 GiB: make_generator's default) holds one request of the
+            # model's max length: Qwen3-0.6B's 40,960 positions need 1.25 GiB at 8 layers, 4.4 GiB at 28
+            model.config.max_position_embeddings = args.max_model_len
+            model.save_pretrained(folder)
             AutoTokenizer.from_pretrained(tiny_model_path()).save_pretrained(folder)
             path = folder
         model, tokenizer = common.load_model(path, args.dtype, "cpu")
