@@ -3,6 +3,15 @@
     pip install trl==1.16.0          # optional; in its own venv if it conflicts: --trl-python that venv's python
     OMP_NUM_THREADS=1 python benchmarks/trl_compare.py                    # 10 pairs of runs, 12 rollouts each
     OMP_NUM_THREADS=1 python benchmarks/trl_compare.py --trl-python <a venv with trl>/bin/python
+    OMP_NUM_THREADS=1 python benchmarks/trl_compare.py --shape qwen3-0.6b --layers 2 --max-tokens 64 --pairs 2 \
+        --rollouts 1 --warmup 0 --trl-python <a venv with trl>/bin/python       # real widths (docs/scaling.md)
+
+--shape qwen3-0.6b: a random model of Qwen3-0.6B's shape (--layers of its 28), saved once with save_pretrained beside
+the built-in tokenizer and loaded by both sides with from_pretrained; 8 prompts x 4 samples, --max-tokens response
+tokens (it never stops), one optimizer step per rollout, bf16 on both: the project in autocast over float32 weights
+with the engine's old log-probs and micro-batches of 8 rows (REHEARSAL_PROJECT_ARGS), TRL with bf16 weights
+(--trl-dtype), micro-batches of 8. TRL's rollout time (its _generate_and_score_completions) is printed too.
+The rest of this docstring describes the default, --shape tiny:
 
 The same work on both sides: the built-in tiny model (float32, loaded by from_pretrained), 16 prompts of the 3-digit
 built-in task (`builtin:3`, about 37 tokens per response) x 8 samples per rollout, at most 48 response tokens,
