@@ -62,11 +62,25 @@ def load_model(name_or_path, dtype="auto", device=None, trust_remote_code=False,
     for module in model.modules():  # no dropout in RL (as verl): the value head's classifier_dropout defaults to 0.1
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+    if not (dist.sharded() or dist.offloaded()):
+        sparse_tied_embedding_gradient(model)
     if gradient_checkpointing:  # recompute each layer's activations in backward (HF checkpoints in train mode only)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # transformers < 6
         model.train()
     model = model if dist.offloaded() else model.to(device)  # offloaded: FSDP moves a unit at a time, then to host
     return (dist.shard_model(model, model.compute_dtype) if dist.sharded() else model), tokenizer
+
+
+def sparse_tied_embedding_gradient(model):
+    """With tied embeddings the input lookup's gradient comes back as its rows (nn.Embedding sparse=True) and is added
+    into the LM head's dense gradient of the same weight, whose sum stays dense: no [vocabulary x hidden] zeros filled
+    and added each backward (0.6 GB for Qwen3-0.6B; benchmarks/mfu.py). Untied (the lookup's gradient would be left
+    sparse, which AdamW rejects): unchanged. Returns whether it was set."""
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = head is not None and isinstance(embedding, torch.nn.Embedding) and head.weight is embedding.weight
+    if tied:
+        embedding.sparse = True
+    return tied
 
 
 def forward(model, batch, **kwargs):
@@ -94,7 +108,8 @@ def response_forward(model, batch):
     if len(prompts) == len(batch.input_ids) or dist.sharded() or cache_name is None or any(
             getattr(module, "gradient_checkpointing", False) for module in model.modules()):
         outputs = forward(model, batch, **({"logits_to_keep": batch.response_width + 1} if keep else {}))
-        outputs.logits = outputs.logits[:, -batch.response_width - 1:]
+        if outputs.logits.shape[1] > batch.response_width + 1:  # a value head's; a no-op slice's backward fills zeros
+            outputs.logits = outputs.logits[:, -batch.response_width - 1:]
         return outputs
     first = torch.zeros(len(prompts), dtype=torch.long, device=rows.device).scatter_(
         0, rows, torch.arange(len(rows), device=rows.device))  # a row of each distinct prompt
@@ -323,10 +338,12 @@ class _TokenLogprobs(torch.autograd.Function):
         grad = torch.empty_like(logits)
         for start in range(0, tokens.shape[0], ctx.rows_per_chunk):
             part = slice(start, start + ctx.rows_per_chunk)
-            weight = grad_out[part, None].float()
-            chunk_grad = logits[part].to(torch.float32, copy=True).div_(ctx.temperature)  # the one temporary
-            chunk_grad.sub_(logsumexp[part, None]).exp_().mul_(-weight)  # -p * g
-            grad[part] = chunk_grad.scatter_add_(-1, tokens[part, None], weight).div_(ctx.temperature)
+            weight = grad_out[part, None].float() / ctx.temperature
+            chunk_grad = logits[part].to(torch.float32, copy=True)  # the one temporary
+            if ctx.temperature != 1:  # a pass over [rows, V] saved at temperature 1
+                chunk_grad.div_(ctx.temperature)
+            chunk_grad.sub_(logsumexp[part, None]).exp_().mul_(-weight)  # -p * g / tau
+            grad[part] = chunk_grad.scatter_add_(-1, tokens[part, None], weight)
         return grad, None, None, None
 
 

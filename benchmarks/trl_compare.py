@@ -3,6 +3,15 @@
     pip install trl==1.16.0          # optional; in its own venv if it conflicts: --trl-python that venv's python
     OMP_NUM_THREADS=1 python benchmarks/trl_compare.py                    # 10 pairs of runs, 12 rollouts each
     OMP_NUM_THREADS=1 python benchmarks/trl_compare.py --trl-python <a venv with trl>/bin/python
+    OMP_NUM_THREADS=1 python benchmarks/trl_compare.py --shape qwen3-0.6b --layers 2 --max-tokens 64 --pairs 2 \
+        --rollouts 1 --warmup 0 --trl-python <a venv with trl>/bin/python       # real widths (docs/scaling.md)
+
+--shape qwen3-0.6b: a random model of Qwen3-0.6B's shape (--layers of its 28), saved once with save_pretrained beside
+the built-in tokenizer and loaded by both sides with from_pretrained; 8 prompts x 4 samples, --max-tokens response
+tokens (it never stops), one optimizer step per rollout, bf16 on both: the project in autocast over float32 weights
+with the engine's old log-probs and micro-batches of 8 rows (REHEARSAL_PROJECT_ARGS), TRL with bf16 weights
+(--trl-dtype), micro-batches of 8. TRL's rollout time (its _generate_and_score_completions) is printed too.
+The rest of this docstring describes the default, --shape tiny:
 
 The same work on both sides: the built-in tiny model (float32, loaded by from_pretrained), 16 prompts of the 3-digit
 built-in task (`builtin:3`, about 37 tokens per response) x 8 samples per rollout, at most 48 response tokens,
@@ -36,10 +45,29 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROMPTS, SAMPLES, MAX_TOKENS, LR, MINI_BATCHES = 16, 8, 48, 1e-4, 2
+LR = 1e-4
+# The work per rollout of each --shape: prompts x samples, response tokens (a random model never stops: all run to
+# the limit), optimizer steps per rollout; --max-tokens replaces the response length.
+WORK = {"tiny": dict(prompts=16, samples=8, max_tokens=48, mini_batches=2),
+        "qwen3-0.6b": dict(prompts=8, samples=4, max_tokens=1024, mini_batches=1)}
 
 
-def project_side(rollouts, seed, extra):
+def save_rehearsal_model(layers, directory):
+    """A randomly initialized model of Qwen3-0.6B's shape (bench_update.QWEN3_0_6B_SHAPE, `layers` decoder layers),
+    float32, saved with save_pretrained beside the built-in tokenizer, so that both sides load it by from_pretrained."""
+    sys.path.insert(0, ROOT)
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from transformers import AutoTokenizer
+    from bench_update import build_model
+    from infra.tiny import tiny_model_path
+    build_model("qwen3-0.6b-shape", "cpu", "float32", layers).save_pretrained(directory)
+    AutoTokenizer.from_pretrained(tiny_model_path()).save_pretrained(directory)
+
+
+REHEARSAL_PROJECT_ARGS = "--dtype bfloat16 --old-logprobs engine --micro-batch-size 8"
+
+
+def project_side(rollouts, seed, extra, work, model="tiny"):
     """Run grpo.py in this process; print one JSON line: per-rollout seconds and the logged phases."""
     sys.path.insert(0, ROOT)
     import torch
@@ -56,20 +84,24 @@ def project_side(rollouts, seed, extra):
 
     infra.run.Run.end_step = timed_end_step
     with tempfile.TemporaryDirectory() as output_dir:
-        sys.argv = ["grpo.py", "--model", "tiny", "--steps", str(rollouts + 1), "--seed", str(seed),
-                    "--prompts-per-step", str(PROMPTS), "--samples-per-prompt", str(SAMPLES),
-                    "--max-response-tokens", str(MAX_TOKENS), "--lr", str(LR), "--mini-batches", str(MINI_BATCHES),
+        sys.argv = ["grpo.py", "--model", model, "--steps", str(rollouts + 1), "--seed", str(seed),
+                    "--prompts-per-step", str(work["prompts"]), "--samples-per-prompt", str(work["samples"]),
+                    "--max-response-tokens", str(work["max_tokens"]), "--lr", str(LR),
+                    "--mini-batches", str(work["mini_batches"]),
                     "--aggregation", "token-mean", "--kl-coef", "0",
                     "--no-gradient-checkpointing", "--eval-problems", "8", "--eval-every", "0", "--save-every", "0",
-                    "--dataset", "builtin:3", "--output-dir", output_dir, *extra]
+                    "--dataset", "builtin:3", "--output-dir", output_dir,
+                    *([] if model == "tiny" else ["--eval-n", "1", "--eval-max-tokens", "8"]), *extra]  # (untimed)
         grpo.main()
     print(json.dumps(dict(seconds=differences(ends), cpu_seconds=differences(cpu_ends),
                           rollout=[p[0] for p in phases[1:]], update=[p[1] for p in phases[1:]])))
 
 
-def trl_side(rollouts, seed, micro_batch):
+def trl_side(rollouts, seed, micro_batch, work, model_path="", dtype="float32"):
     """Run TRL's GRPOTrainer with the matching settings in this process; print one JSON line of per-rollout
-    seconds."""
+    seconds. model_path: the rehearsal model (default: the built-in tiny one); dtype: its weights' (bfloat16: pure
+    bf16, TRL's fastest on CPU) or float32 (float32 with bf16 autocast in the loss when model_path is given)."""
+    prompts, samples, max_tokens, mini_batches = (work[k] for k in ("prompts", "samples", "max_tokens", "mini_batches"))
     sys.path.insert(0, ROOT)
     import torch
     torch.set_num_threads(1)
@@ -79,10 +111,10 @@ def trl_side(rollouts, seed, micro_batch):
 
     import common
     from infra.tiny import builtin_rows, tiny_model_path
-    path = tiny_model_path()
+    path = model_path or tiny_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    rows = builtin_rows("train", PROMPTS * (rollouts + 2), seed, digits=3)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    rows = builtin_rows("train", prompts * (rollouts + 2), seed, digits=3)
     dataset = Dataset.from_list([{"prompt": common.plain_prompt(row["question"]), "answer": row["answer"]}
                                  for row in rows])  # the tiny tokenizer has no chat template: grpo.py's prompt
 
@@ -90,29 +122,39 @@ def trl_side(rollouts, seed, micro_batch):
         return [common.score(text, {"answer": gold}) if tokenizer.eos_token_id in ids else 0.0
                 for text, ids, gold in zip(completions, completion_ids, answer)]
 
-    ends, cpu_ends = [], []
+    ends, cpu_ends, generation = [], [], []
+    generate_and_score = GRPOTrainer._generate_and_score_completions
+
+    def timed_generate_and_score(self, *arguments, **kwargs):  # the rollout: sampling, rewards, advantages
+        start = time.perf_counter()
+        out = generate_and_score(self, *arguments, **kwargs)
+        generation.append(time.perf_counter() - start)
+        return out
+
+    GRPOTrainer._generate_and_score_completions = timed_generate_and_score
 
     class Clock(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             ends.append(time.perf_counter())
             cpu_ends.append(time.process_time())
 
-    accumulation = PROMPTS * SAMPLES // MINI_BATCHES // micro_batch  # micro-batches per optimizer step
+    accumulation = prompts * samples // mini_batches // micro_batch  # micro-batches per optimizer step
     with tempfile.TemporaryDirectory() as output_dir:
         config = GRPOConfig(
-            output_dir=output_dir, use_cpu=True, bf16=False, seed=seed, report_to="none", save_strategy="no",
+            output_dir=output_dir, use_cpu=True, bf16=bool(model_path), seed=seed, report_to="none", save_strategy="no",
             disable_tqdm=True, per_device_train_batch_size=micro_batch, gradient_accumulation_steps=accumulation,
-            steps_per_generation=MINI_BATCHES * accumulation, num_generations=SAMPLES,
-            num_iterations=1, max_completion_length=MAX_TOKENS, temperature=1.0, top_p=1.0, top_k=0,
+            steps_per_generation=mini_batches * accumulation, num_generations=samples,
+            num_iterations=1, max_completion_length=max_tokens, temperature=1.0, top_p=1.0, top_k=0,
             learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.01, adam_beta1=0.9,
             adam_beta2=0.999, max_grad_norm=1.0, beta=0.0, epsilon=0.2, epsilon_high=0.2, loss_type="dapo",
-            scale_rewards="group", gradient_checkpointing=False, max_steps=MINI_BATCHES * (rollouts + 1),
+            scale_rewards="group", gradient_checkpointing=False, max_steps=mini_batches * (rollouts + 1),
             dataloader_num_workers=0)
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
                               processing_class=tokenizer, callbacks=[Clock()])
         trainer.train()
-    last = slice(MINI_BATCHES - 1, None, MINI_BATCHES)  # the end of each rollout's last optimizer step
-    print(json.dumps(dict(seconds=differences(ends[last]), cpu_seconds=differences(cpu_ends[last]))))
+    last = slice(mini_batches - 1, None, mini_batches)  # the end of each rollout's last optimizer step
+    print(json.dumps(dict(seconds=differences(ends[last]), cpu_seconds=differences(cpu_ends[last]),
+                          rollout=generation[1:len(ends[last])])))
 
 
 def differences(times):
@@ -121,8 +163,10 @@ def differences(times):
 
 def run_side(python, side, args):
     command = [python, os.path.abspath(__file__), "--side", side, "--rollouts", str(args.rollouts),
-               "--seed", str(args.seed)] + ([f"--project-args={args.project_args}"] if side == "project" else
-                                            ["--trl-micro-batch", str(args.trl_micro_batch)])
+               "--seed", str(args.seed), "--shape", args.shape, "--max-tokens", str(args.max_tokens),
+               f"--model-path={args.model_path}"] + ([f"--project-args={args.project_args}"] if side == "project"
+                                                     else ["--trl-micro-batch", str(args.trl_micro_batch),
+                                                           "--trl-dtype", args.trl_dtype])
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -139,25 +183,48 @@ def main():
     parser.add_argument("--warmup", type=int, default=3, help="rollouts dropped from the start of each run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trl-python", default=sys.executable, help="a python that imports trl (its own venv)")
-    parser.add_argument("--project-args", default="--micro-batch-tokens 1600", help="extra grpo.py flags in one "
-                        "string (default: micro-batches of up to 1,600 padded tokens, about 30 of these rows, instead "
-                        "of the CPU preset's 16 rows; a value replaces it: '' for the preset), e.g. "
-                        "--project-args='--micro-batch-tokens 1600 --old-logprobs recompute'")
-    parser.add_argument("--trl-micro-batch", type=int, default=64, help="TRL's per_device_train_batch_size (64: "
-                        "one forward per optimizer step, as in the comparison; 16: gradient accumulation over 4)")
+    parser.add_argument("--project-args", default=None, help="extra grpo.py flags in one string (default, tiny: "
+                        "micro-batches of up to 1,600 padded tokens, about 30 of these rows, instead of the CPU "
+                        "preset's 16 rows; qwen3-0.6b: " + REHEARSAL_PROJECT_ARGS + "; a value replaces it: '' for "
+                        "the preset), e.g. --project-args='--micro-batch-tokens 1600 --old-logprobs recompute'")
+    parser.add_argument("--trl-micro-batch", type=int, default=0, help="TRL's per_device_train_batch_size (default, "
+                        "tiny: 64, one forward per optimizer step, as in the comparison; 16: gradient accumulation "
+                        "over 4; qwen3-0.6b: 8)")
+    parser.add_argument("--shape", choices=sorted(WORK), default="tiny", help="tiny: the built-in model, float32; "
+                        "qwen3-0.6b: a random model of Qwen3-0.6B's shape (--layers of its 28), bf16 on both sides, "
+                        "8 prompts x 4 samples, one optimizer step per rollout")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers of the qwen3-0.6b model")
+    parser.add_argument("--max-tokens", type=int, default=0, help="response tokens (tiny: 48, qwen3-0.6b: 1,024)")
+    parser.add_argument("--trl-dtype", choices=["bfloat16", "float32"], default="bfloat16", help="qwen3-0.6b: TRL's "
+                        "weights (bfloat16: pure bf16, its fastest on CPU; float32: bf16 autocast in its loss only)")
     parser.add_argument("--side", choices=["project", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--model-path", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    rehearsal = args.shape != "tiny"
+    work = dict(WORK[args.shape], **({"max_tokens": args.max_tokens} if args.max_tokens else {}))
+    args.max_tokens = work["max_tokens"]
+    if args.project_args is None:
+        args.project_args = REHEARSAL_PROJECT_ARGS if rehearsal else "--micro-batch-tokens 1600"
+    args.trl_micro_batch = args.trl_micro_batch or (8 if rehearsal else 64)
     if args.side == "project":
-        return project_side(args.rollouts, args.seed, shlex.split(args.project_args))
+        return project_side(args.rollouts, args.seed, shlex.split(args.project_args), work,
+                            args.model_path or "tiny")
     if args.side == "trl":
-        return trl_side(args.rollouts, args.seed, args.trl_micro_batch)
+        return trl_side(args.rollouts, args.seed, args.trl_micro_batch, work, args.model_path,
+                        args.trl_dtype if rehearsal else "float32")
     check = subprocess.run([args.trl_python, "-c", "import trl; print(trl.__version__)"], capture_output=True,
                            text=True)
     if check.returncode:
         sys.exit(f"{args.trl_python} cannot import trl: pip install trl==1.16.0 (or pass --trl-python)")
+    if rehearsal:
+        model_dir = tempfile.TemporaryDirectory()
+        args.model_path = model_dir.name
+        save_rehearsal_model(args.layers, args.model_path)
+        print(f"Qwen3-0.6B shape, {args.layers} layers, random weights (saved to {args.model_path}); "
+              f"{work['prompts']} prompts x {work['samples']} samples x {work['max_tokens']} tokens; TRL weights "
+              f"{args.trl_dtype}")
     print(f"TRL {check.stdout.strip()} (micro-batch {args.trl_micro_batch}) vs grpo.py {args.project_args}; "
-          f"{args.pairs} pairs x "
-          f"{args.rollouts} rollouts (first {args.warmup} dropped), 1 thread each; load average "
+          f"{args.pairs} pairs x {args.rollouts} rollouts (first {args.warmup} dropped), 1 thread each; load average "
           f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     ratios = {"wall": [], "cpu": []}
     for pair in range(args.pairs):
@@ -170,11 +237,13 @@ def main():
         print(f"pair {pair}: s/rollout wall (cpu): project {project['seconds']:.3f} ({project['cpu_seconds']:.3f}; "
               f"wall rollout {project['rollout']:.3f}, update {project['update']:.3f}, rest "
               f"{project['seconds'] - project['rollout'] - project['update']:.3f}), TRL {trl['seconds']:.3f} "
-              f"({trl['cpu_seconds']:.3f}); TRL/project {ratios['wall'][-1]:.2f} ({ratios['cpu'][-1]:.2f})", flush=True)
+              f"({trl['cpu_seconds']:.3f}; wall rollout {trl['rollout']:.3f}); TRL/project {ratios['wall'][-1]:.2f} "
+              f"({ratios['cpu'][-1]:.2f}); load average {os.getloadavg()[0]:.2f}", flush=True)
     for clock, values in ratios.items():
         print(f"TRL/project, {clock} time per rollout: median {statistics.median(values):.2f}, min {min(values):.2f}, "
               f"max {max(values):.2f} over {len(values)} pairs")
     print(f"load average after: {os.getloadavg()[0]:.2f}")
+
 
 if __name__ == "__main__":
     main()
