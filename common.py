@@ -62,25 +62,11 @@ def load_model(name_or_path, dtype="auto", device=None, trust_remote_code=False,
     for module in model.modules():  # no dropout in RL (as verl): the value head's classifier_dropout defaults to 0.1
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-    if not (dist.sharded() or dist.offloaded()):
-        sparse_tied_embedding_gradient(model)
     if gradient_checkpointing:  # recompute each layer's activations in backward (HF checkpoints in train mode only)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # transformers < 6
         model.train()
     model = model if dist.offloaded() else model.to(device)  # offloaded: FSDP moves a unit at a time, then to host
     return (dist.shard_model(model, model.compute_dtype) if dist.sharded() else model), tokenizer
-
-
-def sparse_tied_embedding_gradient(model):
-    """With tied embeddings the input lookup's gradient comes back as its rows (nn.Embedding sparse=True) and is added
-    into the LM head's dense gradient of the same weight, whose sum stays dense: no [vocabulary x hidden] zeros filled
-    and added each backward (0.6 GB for Qwen3-0.6B; benchmarks/mfu.py). Untied (the lookup's gradient would be left
-    sparse, which AdamW rejects): unchanged. Returns whether it was set."""
-    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    tied = head is not None and isinstance(embedding, torch.nn.Embedding) and head.weight is embedding.weight
-    if tied:
-        embedding.sparse = True
-    return tied
 
 
 def forward(model, batch, **kwargs):

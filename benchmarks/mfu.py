@@ -7,8 +7,8 @@ time, as a share of the matmul ceiling (benchmarks/ceiling.py) measured in the s
 
 The update step: bench_update.update_step on one micro-batch: common.response_logprobs (bf16 autocast over float32
 weights, as common.load_model sets up the trainers' models), loss = mean response log-prob, backward; no optimizer
-step. The model: bench_update.build_model, random weights of Qwen3-0.6B's shape (--layers of its 28), its tied
-embedding's gradient sparse as common.load_model sets it; or --model tiny (the built-in model). The batch: --rows
+step. The model: bench_update.build_model, random weights of Qwen3-0.6B's shape (--layers of its 28), as
+common.load_model leaves it; or --model tiny (the built-in model). The batch: --rows
 rows of --prompt-length random prompt tokens (distinct prompts) and --response-length response tokens, no padding.
 
 Useful FLOPs of one step, the standard dense count (forward + backward = 3 x forward; a multiply-add = 2 FLOPs), with
@@ -36,7 +36,6 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import torch  # noqa: E402
 
-import common  # noqa: E402
 from bench_update import build_model, peak_memory_gib, random_batch, update_step  # noqa: E402
 from ceiling import ceiling_flops_per_second, measure  # noqa: E402
 from infra.memory import keep_freed_host_memory  # noqa: E402
@@ -85,16 +84,12 @@ def main():
     parser.add_argument("--steps", type=int, default=3, help="timed steps (their median is reported)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the ceiling is measured with them)")
     parser.add_argument("--ceiling-seconds", type=float, default=1.0, help="time each ceiling matmul this long")
-    parser.add_argument("--dense-embedding-gradient", action="store_true", help="leave the tied input embedding's "
-                        "gradient dense (as before common.sparse_tied_embedding_gradient; the trainers set it)")
     parser.add_argument("--profile", action="store_true", help="also print torch.profiler's table of one more step")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     keep_freed_host_memory()  # as the trainers on CPU
     model = build_model(args.model, "cpu", args.dtype, 0 if args.model == "tiny" else args.layers)
     model.train()
-    if not args.dense_embedding_gradient:  # as common.load_model
-        common.sparse_tied_embedding_gradient(model)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     config = model.config

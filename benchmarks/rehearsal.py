@@ -164,8 +164,8 @@ def rehearse(args):
 
 
 def report(results):
-    lines = [f"| method | response tokens | measured peak GiB | plan GiB | plan / measured | update s | "
-             f"old log-probs s | load |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| method | response tokens | measured peak GiB | plan GiB | plan / measured | update s | "
+             "old log-probs s | load |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         lines.append(f"| {r['method']} | {r['response']:,} | {r['peak'] / GIB:.2f} | {r['planned'] / GIB:.2f} | "
                      f"{r['planned'] / r['peak']:.2f} | {r['update_seconds']:.1f} | {r['old_seconds']:.1f} | "

@@ -47,7 +47,7 @@ class HFGenerator:
         # inference_mode: no autograd bookkeeping, about 5% less time per call than no_grad on CPU in float32. Under
         # autocast it also turns off autocast's weight-cast cache: every decode step would cast every weight again
         # (Qwen3-0.6B's [V x h] embedding: 0.6 GB per token); in bf16 at its shapes, 8 layers, this CPU, no_grad sampled
-        # 2.1x faster (benchmarks/engines.py, docs/speed.md)
+        # 2.1x faster (benchmarks/engines.py, docs/scaling.md#speed)
         autocast = getattr(self.model, "compute_dtype", torch.float32) != torch.float32
         with torch.no_grad() if autocast else torch.inference_mode():
             return self._generate(prompts, n, max_tokens, temperature, top_p)

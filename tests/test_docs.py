@@ -9,7 +9,8 @@ import re
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCUMENTS = ["README.md"] + sorted(os.path.relpath(path, ROOT) for path in glob.glob(os.path.join(ROOT, "docs", "*.md")))
+DOCUMENTS = ["README.md"] + sorted(os.path.relpath(path, ROOT)
+                                   for path in glob.glob(os.path.join(ROOT, "docs", "*.md")))
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)|^\[[^\]]+\]:\s*(\S+)", re.MULTILINE)  # inline and reference links
 
 

@@ -1,12 +1,11 @@
-"""Speed: benchmarks/mfu.py counts the update's useful FLOPs as its docstring (and docs/speed.md) define them, and its
-MFU is those FLOPs over the printed step time and ceiling, so the headline number cannot drift from its definition;
-common.sparse_tied_embedding_gradient leaves every gradient as it was."""
+"""Speed: benchmarks/mfu.py counts the update's useful FLOPs as its docstring (and docs/scaling.md#speed) define
+them, and its MFU is those FLOPs over the printed step time and ceiling, so the headline number cannot drift from its
+definition; the HF engine casts each weight once per bf16 call."""
 import os
 import re
 import subprocess
 import sys
 
-import pytest
 import torch
 
 import common
@@ -49,27 +48,6 @@ def tiny_qwen3(tied):
     return Qwen3ForCausalLM(Qwen3Config(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                         num_attention_heads=2, num_key_value_heads=1, head_dim=8,
                                         tie_word_embeddings=tied))
-
-
-@pytest.mark.parametrize("tied", [True, False])
-def test_sparse_tied_embedding_gradient_keeps_the_gradients(tied):
-    """Two micro-batches' gradients accumulated (the second batch repeats a token, whose lookup rows add up), with and
-    without it: the same dense .grad on every parameter; untied models are left as they are."""
-    batches = [common.sequence_batch([[3, 4, 5], [6, 7]], [[8, 9], [10, 10, 10]], pad_id=0),
-               common.sequence_batch([[11, 11, 12]], [[11, 13, 14, 2]], pad_id=0)]
-    grads = []
-    for sparse in (False, True):
-        model = tiny_qwen3(tied)
-        if sparse:
-            assert common.sparse_tied_embedding_gradient(model) == tied
-        for batch in batches:
-            logprobs = common.response_logprobs(model, batch)
-            (-(logprobs * batch.response_mask).sum()).backward()
-        assert all(not p.grad.is_sparse for p in model.parameters())
-        grads.append({name: p.grad for name, p in model.named_parameters()})
-    assert model.get_input_embeddings().sparse == tied
-    for name, dense in grads[0].items():
-        torch.testing.assert_close(grads[1][name], dense, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_hf_engine_casts_each_weight_once_per_call_under_autocast():
