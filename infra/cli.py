@@ -163,8 +163,7 @@ def _group(name, doc, args_class, fields, defaults):
                         if isinstance(value, (list, dict, set)) else dataclasses.field(default=value)))
     group = dataclasses.make_dataclass(name, members)
     group.__doc__ = (doc or "").strip()
-    return Annotated[group, tyro.conf.OmitArgPrefixes, tyro.conf.arg(name=name)], group(
-        **{field.name: getattr(defaults, field.name) for field in fields})
+    return Annotated[group, tyro.conf.OmitArgPrefixes, tyro.conf.arg(name=name)], group()  # its defaults: `defaults`
 
 
 def _one_line_error(text):
