@@ -62,7 +62,7 @@ class Args(infra.cli.RunArgs):
 
 # The CPU demo: rollouts of the published size, a higher learning rate (at 3e-5 GRPO takes 20-25 of 30 steps to
 # 80% of its gain), greedy evaluation on 256 held-out problems.
-TINY_PRESET = dict(lr=3e-5, critic_lr=5e-4, critic_warmup=5, critic_epochs=4)  # published: warm-up 20 of 500, 1 pass
+TINY_PRESET = dict(critic_warmup=5)  # the demo: infra.cli.CONTROLLED_TINY_PRESET; the released warm-up, 20 of 500
 MAX_LOG_RATIO = 20.0  # log-ratios are clamped to +-this before exp, in the policy loss and the KL (verl: 20)
 
 

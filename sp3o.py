@@ -4,8 +4,8 @@ A file of the ppo.py family (ppo, sp3o, tppo, sppo): `diff ppo.py <file>` shows 
 Per rollout: G samples per prompt; reward R at the last response token (1 for a correct final answer
 by common.score, else 0; a truncated response scores 0). A critic (a copy of the base model with a scalar head) reads
 V(s_t) at the token before y_t; GAE(gamma, lambda) gives advantages, not whitened, and returns G_t = A_t + V_t.
-The first 20 rollouts train the critic alone, densely; then the policy takes PPO-clip steps, the critic clipped-
-value-loss steps at 3 anchors per response (4 from 6144 tokens on), each loss a mean per sample, then over samples.
+The first 20 rollouts train the critic alone; then the policy takes PPO-clip steps, the critic clipped-value-loss
+steps at 3 anchors per response (4 from 6144 tokens on; dense in the warm-up), each a mean per sample, then over all.
 
 Usage: `python <this file>` runs the built-in CPU demo; `--model Qwen3-4B-Base --dataset train.parquet` a real run.
 """
@@ -66,7 +66,7 @@ class Args(infra.cli.RunArgs):
 
 # The CPU demo: rollouts of the published size, a higher learning rate (at 3e-5 GRPO takes 20-25 of 30 steps to
 # 80% of its gain), greedy evaluation on 256 held-out problems.
-TINY_PRESET = dict(lr=3e-5, critic_lr=5e-4, critic_warmup=5, critic_epochs=4)  # published: warm-up 20 of 500, 1 pass
+TINY_PRESET = dict(critic_warmup=5)  # the demo: infra.cli.CONTROLLED_TINY_PRESET; the released warm-up, 20 of 500
 MAX_LOG_RATIO = 20.0  # log-ratios are clamped to +-this before exp, in the policy loss and the KL (verl: 20)
 
 
@@ -252,6 +252,7 @@ def main():
         if not actor_frozen:  # after the warm-up (dense, as released): the anchors only
             critic_weights = anchor_weights(mask, args.anchor_ratios, args.tail_ratio, args.tail_min_len,
                                             args.aggregation, args.anchor_placement)
+        metrics["explained_variance_anchors"] = infra.probes.explained_variance(old_values, returns, critic_weights > 0)
         if truncated_is:  # A_t times min(pi_trainer / pi_engine, cap): the engine sampled the rollout
             token_advantages = token_advantages * truncated_importance_weights(
                 old_logprobs, common.engine_logprobs(completions, mask.shape[1]).to(run.device), mask, args.tis_cap)

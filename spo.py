@@ -77,7 +77,7 @@ class Args(infra.cli.RunArgs):
 # 80% of its gain), greedy evaluation on 256 held-out problems. The tiny model is sure of most tokens (about 1.5 with
 # p < 0.9 per response at temperature 0.6), so the published interval 5 cuts before the first of them, as interval 1
 # would mostly do; K = 4; tree: 3 x 3 x 3 of 12 tokens.
-TINY_PRESET = dict(lr=3e-5, mc_samples=4, tree_branching=3, tree_segment_tokens=12)
+TINY_PRESET = dict(mc_samples=4, tree_branching=3, tree_segment_tokens=12)  # the demo: infra.cli.CONTROLLED_TINY_PRESET
 MAX_LOG_RATIO = 10.0  # log-ratios are clamped to +-this before exp, in the policy loss and the KL (SPO's code: 10)
 
 

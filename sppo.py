@@ -57,7 +57,7 @@ class Args(infra.cli.RunArgs):
 
 # The CPU demo: rollouts of the published size, a higher learning rate (at 3e-5 GRPO takes 20-25 of 30 steps to
 # 80% of its gain), greedy evaluation on 256 held-out problems.
-TINY_PRESET = dict(lr=3e-5, critic_lr=5e-4, mini_batches=2)  # 16 mini-batches swung (at 128 x 1)
+TINY_PRESET = dict(prompts_per_step=512, samples_per_prompt=1)  # the demo: infra.cli.CONTROLLED_TINY_PRESET; 512 x 1
 MAX_LOG_RATIO = 20.0  # log-ratios are clamped to +-this before exp, in the policy loss and the KL (verl: 20)
 
 

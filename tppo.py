@@ -68,7 +68,7 @@ class Args(infra.cli.RunArgs):
 
 # The CPU demo: rollouts of the published size, a higher learning rate (at 3e-5 GRPO takes 20-25 of 30 steps to
 # 80% of its gain), greedy evaluation on 256 held-out problems.
-TINY_PRESET = dict(lr=3e-5, critic_lr=5e-4, critic_epochs=4)  # published: 1 critic pass
+TINY_PRESET = dict()  # the demo: infra.cli.CONTROLLED_TINY_PRESET (nothing of TPPO's own)
 MAX_LOG_RATIO = 20.0  # log-ratios are clamped to +-this before exp, in the policy loss and the KL (verl: 20)
 
 
@@ -161,6 +161,14 @@ def critic_logits(critic, batch, head="shared"):
     return tracking_value_logits(outputs[:, 0, -1 if head == "separate" else 0], outputs[..., 0], batch.response_mask)
 
 
+def tracking_diagnostics(value_logits, mask):
+    """Means over a rollout of z_0, of the increments z_t - z_{t-1} (t >= 1) and of z at the last valid token."""
+    rows, last = mask.any(1), (mask.sum(1, keepdim=True) - 1).clamp(min=0)
+    means = [value_logits[rows, 0], value_logits.diff(dim=1)[mask[:, 1:]], value_logits.gather(1, last)[rows]]
+    z0, increment, last_logit = (values.mean().nan_to_num().item() for values in means)  # nothing valid: 0
+    return dict(critic_z0=z0, critic_increment=increment, critic_last_logit=last_logit)
+
+
 def value_loss(value_logits, returns, mask, **counts):
     """BCE of V_t = sigmoid(z_t) against the return G_t (the outcome R when lambda_critic = 1) on every valid
     token, token-mean; no value clipping. Its gradient in z_t is (V_t - G_t) / tokens: V moves toward R."""
@@ -232,8 +240,10 @@ def main():
             reference_logprobs = common.batched(
                 lambda micro: common.response_logprobs(reference, micro, args.temperature),
                 batch, args.micro_batch_size, args.micro_batch_tokens)
-        old_values = torch.sigmoid(common.batched(lambda micro: critic_logits(critic, micro, args.critic_head), batch,
-                                                  args.micro_batch_size, args.micro_batch_tokens))
+        old_value_logits = common.batched(lambda micro: critic_logits(critic, micro, args.critic_head), batch,
+                                          args.micro_batch_size, args.micro_batch_tokens)
+        old_values = torch.sigmoid(old_value_logits)
+        metrics.update(tracking_diagnostics(old_value_logits, mask))  # z_0, mean increment, last logit
         token_rewards = terminal_rewards(rewards, mask)
         token_advantages, returns = gae(token_rewards, old_values, mask, args.gamma, args.lam_actor)
         if args.lam_critic != args.lam_actor:  # decoupled lambdas (VC-PPO): the critic's returns need their own pass

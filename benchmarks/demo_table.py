@@ -31,6 +31,10 @@ import infra.cli  # noqa: E402
 METHODS = infra.cli.trainers()  # every trainer file at the root, forks included (e.g. a copy of ppo.py)
 PROBED = [m for m in METHODS if {"probe_every", "lam_critic"} <= set(infra.cli.trainer_defaults(m))]  # token critics
 EV_TARGET = 0.2  # the critic's explained variance that counts as learning something
+# means over the middle third: the critic's explained variance over all tokens and where it is trained (SP3O's
+# anchors), the tracking critic's state (tppo.tracking_diagnostics) and the critic's gradient norm before clipping
+MIDDLE_KEYS = ("explained_variance", "explained_variance_anchors", "critic_z0", "critic_increment",
+               "critic_last_logit", "critic_grad_norm")
 T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23}  # two-sided, by df
 
 
@@ -56,15 +60,17 @@ def summarize(records):
     first, last = evals[0][1], evals[-1][1]
     threshold = first + 0.8 * (last - first)
     steps_to_80 = next(step for step, accuracy in evals if accuracy >= threshold) if last > first else None
-    middle = [r["explained_variance"] for r in records[len(records) // 3: 2 * len(records) // 3 + 1]
-              if "explained_variance" in r]
+    third = records[len(records) // 3: 2 * len(records) // 3 + 1]  # the middle third of the run's steps
+    means = {key: statistics.mean(r[key] for r in third if key in r) for key in MIDDLE_KEYS
+             if any(key in r for r in third)}
+    middle = [r["explained_variance"] for r in third if "explained_variance" in r]
     signs = [r["probe/sign_acc_tau0"] for r in records if "probe/sign_acc_tau0" in r]
     ev_reaches = next((r["step"] for r in records if r.get("explained_variance", -1) >= EV_TARGET), None)
     return {"first": first, "last": last, "gain": last - first, "auc": sum(a for _, a in evals) / len(evals),
             "steps_to_80": steps_to_80, "ev_middle": sum(middle) / len(middle) if middle else None,
             "ev_reaches": ev_reaches,
             "sign_accuracy": sum(signs) / len(signs) if signs else None, "curve": evals, "steps": len(records),
-            "mc_tokens": sum(r.get("mc_tokens", 0) for r in records)}
+            "mc_tokens": sum(r.get("mc_tokens", 0) for r in records), "middle": means}
 
 
 def interval(values, scale=1.0, digits=1):

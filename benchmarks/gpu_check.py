@@ -1,7 +1,7 @@
 """Helpers of benchmarks/gpu_check.sh (the GPU check of the vLLM path).
 
     python benchmarks/gpu_check.py model OUT_DIR            # a random Qwen3-0.6B-shaped checkpoint, from its config
-    python benchmarks/gpu_check.py flags TRAINER RUN_DIR    # the trainer's flags for the check, one per line
+    python benchmarks/gpu_check.py flags TRAINER RUN_DIR [GENERATOR]  # the trainer's flags (vllm or hf), one a line
     python benchmarks/gpu_check.py table RUN_DIR            # one table: the trainers' runs and bench_update.py's
     python benchmarks/gpu_check.py trainers                 # the trainer files (infra.cli.trainers), forks too
 
@@ -28,16 +28,16 @@ from benchmarks.bench_update import QWEN3_0_6B_SHAPE  # noqa: E402
 TRAINERS = infra.cli.trainers()  # every trainer file at the root, forks included
 # 3 steps of 16 prompts (x 8 samples for GRPO and SPO's chain, x 1 for SPPO: the trainers' defaults), 256-token
 # responses, an evaluation of 32 problems x 1 sample at the first and last step; bf16 compute (--dtype auto on GPU)
-RUN_FLAGS = ["--generator", "vllm", "--steps", "3", "--prompts-per-step", "16", "--max-response-tokens", "256",
+RUN_FLAGS = ["--steps", "3", "--prompts-per-step", "16", "--max-response-tokens", "256",
              "--eval-problems", "32", "--eval-n", "1", "--eval-max-tokens", "128", "--save-every", "0",
              "--keep-checkpoints", "1"]
 EXTRA_FLAGS = {"sp3o": ["--critic-warmup", "1"],  # else all 3 steps are the critic's warm-up
                "spo": ["--mc-samples", "2", "--cut-interval", "32"]}  # a random model: every token is a cutpoint
 
 
-def run_flags(trainer, run_dir):
-    return ["--model", os.path.join(run_dir, "model"), *RUN_FLAGS, *EXTRA_FLAGS.get(trainer, []),
-            "--output-dir", os.path.join(run_dir, "runs"), "--run-name", trainer]
+def run_flags(trainer, run_dir, generator="vllm"):
+    return ["--model", os.path.join(run_dir, "model"), "--generator", generator, *RUN_FLAGS,
+            *EXTRA_FLAGS.get(trainer, []), "--output-dir", os.path.join(run_dir, "runs"), "--run-name", trainer]
 
 
 def placeholder_tokenizer(vocab_size):
@@ -94,11 +94,12 @@ def table(run_dir):
     """Markdown: a row per trainer (RUN_DIR/runs/<trainer>/metrics.jsonl; RUN_DIR/<trainer>.exit: its exit status
     and wall seconds; RUN_DIR/<trainer>.log) and a row from RUN_DIR/bench_update.txt."""
     lines = ["| run | result | steps | wall s (start-up, steps, save) | rollout s/step | update s/step | tokens/s "
-             "| MFU | log-prob gap mean / max | sleep mode |", "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
+             "| MFU | log-prob gap mean / max | sleep mode | GPU peak / plan GiB |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|---|---|"]
     for trainer in TRAINERS:
         exit_path = os.path.join(run_dir, f"{trainer}.exit")
         if not os.path.exists(exit_path):
-            lines.append(f"| {trainer}.py | not run | | | | | | | | |")
+            lines.append(f"| {trainer}.py | not run | | | | | | | | | |")
             continue
         with open(exit_path) as handle:
             status, seconds = handle.read().split()
@@ -110,22 +111,26 @@ def table(run_dir):
         else:
             problems = [line for line in log.splitlines() if re.search(r"Error|error:", line)] or ["no error line"]
             result = f"exit {status}" + (" (timed out)" if status == "124" else "") + ": " + problems[-1][-90:]
-        sleep = "off (no sleep mode)" if "vLLM: no sleep mode" in log else "on"
+        config = os.path.join(run_dir, "runs", trainer, "config.json")
+        hf = os.path.exists(config) and json.load(open(config)).get("generator") == "hf"
+        sleep = "- (HF engine)" if hf else "off (no sleep mode)" if "vLLM: no sleep mode" in log else "on"
+        totals = re.findall(r"^  total GiB\s+([\d.,]+)\s+([\d.,]+)", log, re.M)  # the plan's update, rollout
+        plan = max(float(value.replace(",", "")) for value in totals[0]) if totals else float("nan")
         steps = records[1:] or records  # the first step also warms the engine up
         gap_max = max([r.get("logprob_gap_max", float("nan")) for r in records] or [float("nan")])
         lines.append(f"| {trainer}.py | {result.replace('|', '/')} | {len(records)} | {seconds} | "
                      f"{mean(steps, 'rollout_s'):.2f} | {mean(steps, 'update_s'):.2f} | "
                      f"{mean(steps, 'tokens_per_s'):,.0f} | - | {mean(records, 'logprob_gap_mean'):.2e} / "
-                     f"{gap_max:.2e} | {sleep} |")
+                     f"{gap_max:.2e} | {sleep} | {mean(records[-1:], 'gpu_peak_gib'):.1f} / {plan:.1f} |")
     bench_path = os.path.join(run_dir, "bench_update.txt")
     bench = open(bench_path).read() if os.path.exists(bench_path) else ""
     row = next((line for line in bench.splitlines() if line.startswith("| qwen3-0.6b-shape")), None)
     if row:  # model | parameters | tokens / step | timed steps | s / step | update tokens/s | MFU | generate | memory
         cells = [cell.strip() for cell in row.strip().strip("|").split("|")]
         lines.append(f"| bench_update.py (update only, {cells[2]} tokens/step) | ok | {cells[3]} | | | "
-                     f"{cells[4]} | {cells[5]} | {cells[6]} | | |")
+                     f"{cells[4]} | {cells[5]} | {cells[6]} | | | |")
     else:
-        lines.append("| bench_update.py | not run or failed | | | | | | | | |")
+        lines.append("| bench_update.py | not run or failed | | | | | | | | | |")
     return "\n".join(lines)
 
 
@@ -134,7 +139,7 @@ if __name__ == "__main__":
     if command == "model":
         print(write_model(paths[0]))
     elif command == "flags":
-        print("\n".join(run_flags(*paths)))
+        print("\n".join(run_flags(*paths)))  # TRAINER RUN_DIR [GENERATOR]
     elif command == "table":
         print(table(paths[0]))
     elif command == "trainers":

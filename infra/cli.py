@@ -103,13 +103,24 @@ def trainer_defaults(name, root=ROOT):
             if isinstance(node, ast.AnnAssign) and node.value is not None}
 
 
-# The CPU demo's run flags (each trainer's TINY_PRESET adds its learning rates; rollouts keep the published size):
-# 30 steps, responses of up to 96 tokens (a 6-digit addition takes about 67), greedy evaluation on 256 held-out
-# problems every 10 steps, no intermediate checkpoints; micro-batches of 16 (the update ran about 20% faster than
-# with 64 on one CPU thread).
+# The CPU demo's run flags: 30 steps, responses of up to 96 tokens (a 6-digit addition takes about 67), greedy
+# evaluation on 256 held-out problems every 10 steps, no intermediate checkpoints; micro-batches of 16 (the update
+# ran about 20% faster than with 64 on one CPU thread).
 RUN_TINY_PRESET = dict(steps=30, micro_batch_size=16, gradient_checkpointing=False, eval_every=10, eval_problems=256,
                        eval_n=1, eval_temperature=0.0, eval_top_p=1.0, max_response_tokens=96, eval_max_tokens=96,
                        save_every=0)
+# The controlled comparison (docs/testbed.md): on the tiny model every trainer that has one of these knobs takes
+# this value, so the six files differ only in their own mechanism (each file's TINY_PRESET and the knobs only it
+# has; tests/test_skeleton.py fails on any other difference). Rollouts of 512 samples (SPPO: 512 prompts x 1),
+# sampled at temperature 1 without a nucleus; 2 optimizer steps per rollout at a constant lr 3e-5 with AdamW
+# (0.9, 0.999), weight decay 0.01 (verl's defaults); token-mean losses, no advantage whitening, no KL; every
+# critic at lr 5e-4 with 4 passes per rollout (published: 1; one pass explained at most 0.07 here) and GAE
+# lambda 1 for both actor and critic.
+CONTROLLED_TINY_PRESET = dict(prompts_per_step=64, samples_per_prompt=8, temperature=1.0, top_p=1.0, lr=3e-5,
+                              lr_schedule="constant", weight_decay=0.01, adam_betas=(0.9, 0.999), mini_batches=2,
+                              epochs=1, grad_clip=1.0, clip_low=0.2, clip_high=0.2, aggregation="token-mean",
+                              whiten_advantages=False, kl_coef=0.0, critic_lr=5e-4, critic_epochs=4, gamma=1.0,
+                              lam_actor=1.0, lam_critic=1.0)
 
 
 def _flag_value(argv, flag):
@@ -210,7 +221,7 @@ def parse_args(args_class, tiny_preset=None, argv=None):
         description = f"Defaults shown: the saved settings of {point[0]}."
     else:
         model = _flag_value(argv, "--model") or getattr(args_class, "model", "")
-        preset = {**RUN_TINY_PRESET, **(tiny_preset or {})} if is_tiny_model(model) else {}
+        preset = {**RUN_TINY_PRESET, **CONTROLLED_TINY_PRESET, **(tiny_preset or {})} if is_tiny_model(model) else {}
         defaults = args_class(**{name: value for name, value in preset.items() if name in names})
         description = None if not hasattr(args_class, "model") else (
             f"Defaults shown: the built-in CPU demo's preset (--model {model}); a real model gets the published ones."

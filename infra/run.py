@@ -275,6 +275,8 @@ class Run:
         (every --save-every steps, at the end, and on Ctrl-C or SIGTERM, which then stops the run)."""
         if step == self.args.steps - 1:
             metrics.update(self.evaluate())
+        if self.device.startswith("cuda"):  # this process's allocations so far (not vLLM's own pool), against the plan
+            metrics["gpu_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2 ** 30
         self.logger.log(step, metrics, self.write)
         self.stopping = self.signals.requested
         if self.args.save_every and (step + 1) % self.args.save_every == 0 or step == self.args.steps - 1 \

@@ -73,6 +73,17 @@ def test_the_table(tmp_path):
                                          tokens_per_s=500.0, logprob_gap_mean=1e-3, logprob_gap_max=0.1 * step)) + "\n")
     (tmp_path / "grpo.exit").write_text("0 95\n")
     (tmp_path / "grpo.log").write_text("step 0 ...\n")
+    (tmp_path / "runs" / "spo").mkdir(parents=True)  # an HF-engine run (gpu_check.sh with GENERATOR=hf)
+    with open(tmp_path / "runs" / "spo" / "metrics.jsonl", "w") as handle:
+        for step in range(3):
+            handle.write(json.dumps(dict(step=step, rollout_s=3.0, update_s=1.0, tokens_per_s=100.0,
+                                         gpu_peak_gib=7.5 + step)) + "\n")
+    (tmp_path / "runs" / "spo" / "config.json").write_text(json.dumps(dict(generator="hf")))
+    (tmp_path / "spo.exit").write_text("0 60\n")
+    (tmp_path / "spo.log").write_text(  # the memory plan as infra.memory.table prints it
+        "memory plan per GPU, spo.py, 1 process, 139.7 GiB GPU                 update  rollout     host\n"
+        "  total GiB                                                                                   "
+        "12.3     10.1     30.2\n")
     (tmp_path / "ppo.exit").write_text("124 150\n")
     (tmp_path / "ppo.log").write_text("loading\nRuntimeError: CUDA out of memory\n")
     (tmp_path / "bench_update.txt").write_text(
@@ -82,7 +93,8 @@ def test_the_table(tmp_path):
     rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.strip("|").split("|")]
             for line in gpu_check.table(str(tmp_path)).splitlines()[2:]}
     assert rows["grpo.py"][1:7] == ["ok", "3", "95", "2.00", "2.50", "500"]  # steps 1 and 2 (step 0 warms up)
-    assert rows["grpo.py"][8:] == ["1.00e-03 / 2.00e-01", "on"]
+    assert rows["grpo.py"][8:] == ["1.00e-03 / 2.00e-01", "on", "nan / nan"]
+    assert rows["spo.py"][8:] == ["nan / nan", "- (HF engine)", "9.5 / 12.3"]  # the last step's peak; the plan's
     assert rows["ppo.py"][1] == "exit 124 (timed out): RuntimeError: CUDA out of memory"
     assert rows["sppo.py"][1] == "not run"
     assert rows["bench_update.py (update only, 16384 tokens/step)"][5:8] == ["0.41", "39,960", "14.4%"]

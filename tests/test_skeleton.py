@@ -195,3 +195,59 @@ def test_sppo_policy_loss_without_dual_clip_is_the_shared_one():
     # and the dual clip does act: A = -1, ratio e^2 = 7.39: PPO-clip gives 7.39, capped at -A * 3 = 3
     one = torch.ones(1, 1, dtype=torch.bool)
     assert sppo.policy_loss(torch.full((1, 1), 2.0), torch.zeros(1, 1), -torch.ones(1, 1), one, dual_clip=3.0)[0] == 3.0
+
+
+# The controlled comparison (infra.cli.CONTROLLED_TINY_PRESET, docs/testbed.md): on the tiny model, a knob that two
+# or more of the six files have takes one value in all of them, except these, each a method's own mechanism.
+OWN_SETTINGS = {
+    ("sppo", "prompts_per_step"): "SPPO samples once per prompt: 512 prompts x 1, the others' 64 x 8 samples",
+    ("sppo", "samples_per_prompt"): "SPPO samples once per prompt (its critic is the baseline)",
+    ("ppo", "critic_warmup"): "the released PPO trains its critic alone first (20 of 500 rollouts; 5 of 30 here)",
+    ("sp3o", "critic_warmup"): "SP3O's released warm-up, as PPO's",
+}
+
+
+def tiny_settings(names=(*ROOTS, *PARENTS), argv=()):
+    """{trainer: its settings on the tiny model (the demo preset)}, as the command line makes them."""
+    import importlib
+    modules = {name: importlib.import_module(name) for name in names}
+    return {name: vars(infra.cli.parse_args(module.Args, module.TINY_PRESET, list(argv)))
+            for name, module in modules.items()}
+
+
+def preset_differences(settings, own=OWN_SETTINGS):
+    """'knob: trainer=value, ...' for each knob that two or more trainers have and that differs among them outside
+    `own`."""
+    found = []
+    for knob in sorted({knob for values in settings.values() for knob in values}):
+        values = {name: settings[name][knob] for name in settings if knob in settings[name]
+                  and (name, knob) not in own}
+        if len(set(map(repr, values.values()))) > 1:
+            found.append(f"{knob}: " + ", ".join(f"{name}={value!r}" for name, value in values.items()))
+    return found
+
+
+def test_the_tiny_presets_differ_only_in_each_methods_own_mechanism():
+    settings = tiny_settings()
+    assert preset_differences(settings) == []
+    for (name, knob), why in OWN_SETTINGS.items():  # each listed difference is real
+        others = {repr(values[knob]) for other, values in settings.items()
+                  if knob in values and (other, knob) not in OWN_SETTINGS}
+        assert repr(settings[name][knob]) not in others, f"{name} {knob} no longer differs: unlist it"
+    # the same number of samples per rollout, sampled alike, and the same optimizer steps per rollout
+    assert {values["prompts_per_step"] * values["samples_per_prompt"] for values in settings.values()} == {512}
+    assert {(values["temperature"], values["top_p"], values["mini_batches"] * values["epochs"], values["lr"])
+            for values in settings.values()} == {(1.0, 1.0, 2, 3e-5)}
+    # a knob set in one file's preset is found (TPPO's published top-p, SPO's own optimizer steps)
+    planted = dict(settings, tppo=dict(settings["tppo"], top_p=0.95), spo=dict(settings["spo"], epochs=2))
+    assert preset_differences(planted) == [
+        "epochs: ppo=1, grpo=1, sp3o=1, tppo=1, sppo=1, spo=2",
+        "top_p: ppo=1.0, grpo=1.0, sp3o=1.0, tppo=0.95, sppo=1.0, spo=1.0"]
+
+
+def test_a_real_model_keeps_each_files_published_settings():
+    real = tiny_settings(argv=["--model", "Qwen3-4B-Base"])
+    assert (real["tppo"]["top_p"], real["sppo"]["temperature"], real["spo"]["temperature"]) == (0.95, 0.6, 0.6)
+    assert (real["spo"]["mini_batches"], real["spo"]["epochs"], real["spo"]["kl_coef"]) == (8, 2, 1e-4)
+    assert (real["ppo"]["aggregation"], real["ppo"]["weight_decay"], real["tppo"]["lam_actor"]) == (
+        "seq-mean", 0.1, 0.95)

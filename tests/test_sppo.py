@@ -95,8 +95,8 @@ def test_published_defaults_of_the_released_7b_script():
     assert (args.prompts_per_step, args.samples_per_prompt, args.mini_batches, args.epochs) == (512, 1, 16, 1)
     assert (args.adam_betas, args.critic_warmup, args.aggregation) == ((0.9, 0.999), 0, "token-mean")
     assert (args.lr, args.critic_lr, args.temperature, args.weight_decay) == (1e-6, 1e-5, 0.6, 0.1)
-    tiny = infra.cli.parse_args(sppo.Args, sppo.TINY_PRESET, [])  # the demo: 512 x 1, 2 optimizer steps, 1 critic pass
-    assert (tiny.prompts_per_step, tiny.mini_batches, tiny.critic_epochs, tiny.steps) == (512, 2, 0, 30)
+    tiny = infra.cli.parse_args(sppo.Args, sppo.TINY_PRESET, [])  # the demo: 512 x 1, 2 optimizer steps, 4 passes
+    assert (tiny.prompts_per_step, tiny.mini_batches, tiny.critic_epochs, tiny.steps) == (512, 2, 4, 30)
 
 
 def test_two_steps_end_to_end(tmp_path):
@@ -110,7 +110,7 @@ def test_two_steps_end_to_end(tmp_path):
     records = [json.loads(line) for line in open(tmp_path / "e2e_sppo" / "metrics.jsonl")]
     config = json.load(open(tmp_path / "e2e_sppo" / "config.json"))
     assert [r["step"] for r in records] == [0, 1]
-    assert config["samples_per_prompt"] == 1 and config["temperature"] == 0.6
+    assert config["samples_per_prompt"] == 1 and config["temperature"] == 1.0  # the controlled demo's sampling
     for record in records:
         assert all(math.isfinite(v) for v in record.values())
         # one sample for each of 4 prompts: the mean reward is a multiple of 1/4

@@ -138,3 +138,15 @@ def test_tppo_two_steps_end_to_end(tmp_path, head):
     critic = load_file(os.path.join(tmp_path, name, "checkpoints", "step_000002", "critic", "model.safetensors"))
     assert critic["score.weight"].shape[0] == (2 if head == "separate" else 1)
     assert (critic["score.weight"].abs().sum(1) > 1e-4).all() and (critic["score.bias"].abs() > 1e-6).all()
+
+
+def test_tracking_diagnostics_by_hand():
+    # rows: z = 1, 1.5, 2.5 (3 tokens); z = -1, -3 (2 tokens); an empty response (left out of every mean)
+    logits = torch.tensor([[1.0, 1.5, 2.5, 0.0], [-1.0, -3.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]]).bool()
+    found = tppo.tracking_diagnostics(logits, mask)
+    assert found["critic_z0"] == pytest.approx((1 - 1) / 2)
+    assert found["critic_increment"] == pytest.approx((0.5 + 1.0 - 2.0) / 3)  # padding's jumps left out
+    assert found["critic_last_logit"] == pytest.approx((2.5 - 3.0) / 2)
+    assert tppo.tracking_diagnostics(logits[2:], mask[2:]) == dict(critic_z0=0.0, critic_increment=0.0,
+                                                                   critic_last_logit=0.0)
