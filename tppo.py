@@ -43,10 +43,10 @@ class Args(infra.cli.RunArgs):
     mini_batches: int = 2  # optimizer steps per rollout per epoch (published: 2, mini-batches of 32 prompts)
     epochs: int = 1  # passes over each rollout
     critic_epochs: int = 0  # critic passes over each rollout (0: --epochs, as published; verl's critic.ppo_epochs)
-    grad_clip: float = 1.0  # max global gradient norm (published: 1.0)
+    grad_clip: float = 1.0  # max global gradient norm (not published for TPPO; verl's default 1.0)
     truncated_is: Literal["auto", "on", "off"] = "auto"  # correct the engine/trainer mismatch (auto: on with vLLM)
     tis_cap: float = 2.0  # cap of the truncated importance weights (published: 2.0, SP3O's released setting)
-    clip_low: float = 0.2  # PPO clip epsilon below 1 (published: 0.2)
+    clip_low: float = 0.2  # PPO clip epsilon below 1 (not published for TPPO; PPO's 0.2)
     clip_high: float = 0.2  # PPO clip epsilon above 1 (0.28 is DAPO's clip-higher; published default 0.2)
     # z_0 from the increments' head (main variant) or a second output
     critic_head: Literal["shared", "separate"] = "shared"
@@ -161,17 +161,10 @@ def critic_logits(critic, batch, head="shared"):
     return tracking_value_logits(outputs[:, 0, -1 if head == "separate" else 0], outputs[..., 0], batch.response_mask)
 
 
-def tracking_diagnostics(value_logits, mask):
-    """Means over a rollout of z_0, of the increments z_t - z_{t-1} (t >= 1) and of z at the last valid token."""
-    rows, last = mask.any(1), (mask.sum(1, keepdim=True) - 1).clamp(min=0)
-    means = [value_logits[rows, 0], value_logits.diff(dim=1)[mask[:, 1:]], value_logits.gather(1, last)[rows]]
-    z0, increment, last_logit = (values.mean().nan_to_num().item() for values in means)  # nothing valid: 0
-    return dict(critic_z0=z0, critic_increment=increment, critic_last_logit=last_logit)
-
-
 def value_loss(value_logits, returns, mask, **counts):
     """BCE of V_t = sigmoid(z_t) against the return G_t (the outcome R when lambda_critic = 1) on every valid
-    token, token-mean; no value clipping. Its gradient in z_t is (V_t - G_t) / tokens: V moves toward R."""
+    token, token-mean; no value clipping (not published; verl's critic clips at 0.5). Its gradient in z_t is
+    (V_t - G_t) / tokens: V moves toward R."""
     losses = torch.nn.functional.binary_cross_entropy_with_logits(value_logits, returns, reduction="none")
     return aggregate(losses, mask, "token-mean", **counts)
 
@@ -243,7 +236,7 @@ def main():
         old_value_logits = common.batched(lambda micro: critic_logits(critic, micro, args.critic_head), batch,
                                           args.micro_batch_size, args.micro_batch_tokens)
         old_values = torch.sigmoid(old_value_logits)
-        metrics.update(tracking_diagnostics(old_value_logits, mask))  # z_0, mean increment, last logit
+        metrics.update(infra.probes.tracking_diagnostics(old_value_logits, mask))  # z_0, increments, last logit
         token_rewards = terminal_rewards(rewards, mask)
         token_advantages, returns = gae(token_rewards, old_values, mask, args.gamma, args.lam_actor)
         if args.lam_critic != args.lam_actor:  # decoupled lambdas (VC-PPO): the critic's returns need their own pass

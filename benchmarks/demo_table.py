@@ -14,6 +14,7 @@ A failed run prints the end of its output. --from-results prints the tables agai
 numbers recomputed from its metrics.jsonl where the run folder is there.
 """
 import argparse
+import ast
 import concurrent.futures
 import itertools
 import json
@@ -71,6 +72,17 @@ def summarize(records):
             "ev_reaches": ev_reaches,
             "sign_accuracy": sum(signs) / len(signs) if signs else None, "curve": evals, "steps": len(records),
             "mc_tokens": sum(r.get("mc_tokens", 0) for r in records), "middle": means}
+
+
+def own_settings(method):
+    """The method's own demo settings (its file's TINY_PRESET, read, not imported), e.g. `critic_warmup=5`; the
+    others are infra.cli.CONTROLLED_TINY_PRESET's, the same for every file."""
+    with open(os.path.join(ROOT, f"{method}.py")) as handle:
+        tree = ast.parse(handle.read())
+    preset = next((node.value for node in tree.body if isinstance(node, ast.Assign)
+                   and any(getattr(target, "id", "") == "TINY_PRESET" for target in node.targets)), None)
+    keywords = getattr(preset, "keywords", [])
+    return ", ".join(f"{k.arg}={ast.literal_eval(k.value)}" for k in keywords) or "-"
 
 
 def interval(values, scale=1.0, digits=1):
@@ -132,15 +144,16 @@ def main():
                                      f"built-in task, {len(args.seeds)} seeds per method"))
     by_method = {m: sorted((r for r in results if r["method"] == m), key=lambda r: r["seed"]) for m in args.methods}
     print("mean ± 95% interval over the seeds; accuracy and gain in points")
-    print("| method | seeds | first | last | gain | area under curve | steps to 80% of gain | explained variance "
-          f"(middle) | explained variance >= {EV_TARGET} from step | sign accuracy | wall time |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| method | own settings | seeds | first | last | gain | area under curve | steps to 80% of gain | "
+          f"explained variance (middle) | EV at the anchors | EV >= {EV_TARGET} from step | sign accuracy | wall time |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for method, rows in by_method.items():
         column = lambda key, scale=1.0, digits=1: interval([r[key] for r in rows], scale, digits)  # noqa: E731
         reaches = ", ".join("-" if r.get("ev_reaches") is None else str(r["ev_reaches"]) for r in rows)  # -: never
-        print(f"| {method} | {len(rows)} | {column('first', 100)} | {column('last', 100)} | {column('gain', 100)} | "
-              f"{column('auc', 100)} | {column('steps_to_80', 1, 0)} | {column('ev_middle', 1, 2)} | "
-              f"{reaches if rows[0]['ev_middle'] is not None else '-'} | "
+        anchors = interval([r.get("middle", {}).get("explained_variance_anchors") for r in rows], 1, 2)
+        print(f"| {method} | {own_settings(method)} | {len(rows)} | {column('first', 100)} | {column('last', 100)} | "
+              f"{column('gain', 100)} | {column('auc', 100)} | {column('steps_to_80', 1, 0)} | "
+              f"{column('ev_middle', 1, 2)} | {anchors} | {reaches if rows[0]['ev_middle'] is not None else '-'} | "
               f"{column('sign_accuracy', 1, 2)} | {column('seconds', 1, 0)} s |")
     for key in ("gain", "auc"):
         pairs = [(a, b) for a, b in itertools.combinations(args.methods, 2)

@@ -23,6 +23,15 @@ def explained_variance(values, returns, mask):
     return float(1 - residual_variance / target_variance)
 
 
+def tracking_diagnostics(value_logits, mask):
+    """TPPO's tracking critic on a rollout: means of z_0, of the increments z_t - z_{t-1} (t >= 1) and of z at
+    the last valid token."""
+    rows, last = mask.any(1), (mask.sum(1, keepdim=True) - 1).clamp(min=0)
+    means = [value_logits[rows, 0], value_logits.diff(dim=1)[mask[:, 1:]], value_logits.gather(1, last)[rows]]
+    z0, increment, last_logit = (values.mean().nan_to_num().item() for values in means)  # nothing valid: 0
+    return dict(critic_z0=z0, critic_increment=increment, critic_last_logit=last_logit)
+
+
 def effective_rank(matrix):
     """exp(entropy of the singular values normalized to sum 1) of a [n, d] matrix (Roy & Vetterli, 2007): r for
     r equal nonzero singular values, between 1 and the rank otherwise, 0 for a zero matrix. Rows are not centered.

@@ -62,3 +62,23 @@ def test_demo_table_summarizes_a_run_from_its_records(monkeypatch):
     assert summary["steps_to_80"] == 10 and abs(summary["gain"] - 0.5) < 1e-12
     assert abs(summary["ev_middle"] - (0.19 + 0.2 + 0.4) / 3) < 1e-12 and summary["ev_reaches"] == 11
     assert demo_table.summarize([dict(step=0, **{"eval/accuracy": 0.1})])["ev_reaches"] is None
+    for record, anchors in zip(records, (9.0, 9.0, 0.5, 0.25, 0.0, 9.0)):  # SP3O's EV where its critic is trained
+        record["explained_variance_anchors"] = anchors
+    assert demo_table.summarize(records)["middle"]["explained_variance_anchors"] == (0.5 + 0.25 + 0.0) / 3
+    # the own settings column: each file's TINY_PRESET as written, the shared ones nowhere
+    assert demo_table.own_settings("ppo") == "critic_warmup=5" and demo_table.own_settings("grpo") == "-"
+    assert demo_table.own_settings("sppo") == "prompts_per_step=512, samples_per_prompt=1"
+
+
+def test_variants_table_marks_a_difference_beyond_seed_noise():
+    """benchmarks/variants.table: a variant whose gains (0.30, 0.31, 0.32) are far from the preset's (0.60, 0.61,
+    0.62) gets a `*`; one within noise does not; the mean of 30.0, 31.0, 32.0 points is 31.0, +- t(2) * 1 / sqrt(3)."""
+    import benchmarks.variants as variants
+    row = lambda gain, auc: dict(gain=gain, auc=auc, middle=dict(critic_z0=-0.5))  # noqa: E731
+    results = {"preset": [row(0.60, 0.4), row(0.61, 0.41), row(0.62, 0.42)],
+               "worse": [row(0.30, 0.4), row(0.31, 0.41), row(0.32, 0.42)]}
+    lines = variants.table("tppo", results).splitlines()
+    assert lines[0].startswith("| `tppo.py` | seeds | gain | area under curve | z0 |")
+    worse = [cell.strip() for cell in lines[3].strip("|").split("|")]
+    assert worse[:4] == ["worse", "3", f"31.0 ± {4.30 / 3 ** 0.5:.1f} *", "41.0 ± 2.5"]  # AUC: the same, no mark
+    assert worse[4] == "-0.50 ± 0.00"

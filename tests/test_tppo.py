@@ -13,6 +13,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import common  # noqa: E402
+import infra.probes  # noqa: E402
 import tppo  # noqa: E402
 import infra.cli
 import infra.run
@@ -144,9 +145,9 @@ def test_tracking_diagnostics_by_hand():
     # rows: z = 1, 1.5, 2.5 (3 tokens); z = -1, -3 (2 tokens); an empty response (left out of every mean)
     logits = torch.tensor([[1.0, 1.5, 2.5, 0.0], [-1.0, -3.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]]).bool()
-    found = tppo.tracking_diagnostics(logits, mask)
+    found = infra.probes.tracking_diagnostics(logits, mask)
     assert found["critic_z0"] == pytest.approx((1 - 1) / 2)
     assert found["critic_increment"] == pytest.approx((0.5 + 1.0 - 2.0) / 3)  # padding's jumps left out
     assert found["critic_last_logit"] == pytest.approx((2.5 - 3.0) / 2)
-    assert tppo.tracking_diagnostics(logits[2:], mask[2:]) == dict(critic_z0=0.0, critic_increment=0.0,
+    assert infra.probes.tracking_diagnostics(logits[2:], mask[2:]) == dict(critic_z0=0.0, critic_increment=0.0,
                                                                    critic_last_logit=0.0)
