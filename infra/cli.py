@@ -28,8 +28,8 @@ from infra.tiny import is_tiny_model
 class RunArgs:
     """Flags of every trainer: what to train and evaluate on, where the run goes, how it runs."""
     model: str = "tiny"  # policy: `tiny` (built-in CPU demo), a hub name (Qwen3-4B-Base) or a local path
-    # training problems: `builtin` (6-digit additions; `builtin:N`, N digits; `builtin:A-B`, A to B digits),
-    # a .jsonl/.json/.parquet file or a hub id
+    # training problems: `builtin` (6-digit additions; `builtin:N`, N digits; `builtin:A-B`, A to B digits;
+    # `builtin:early`, one carry, after the units column), a .jsonl/.json/.parquet file or a hub id
     dataset: str = "builtin"
     # dotted path of --dataset's prompt, e.g. extra_info.question (empty: question, problem or prompt)
     question_field: str = ""

@@ -188,13 +188,17 @@ def _read_file_rows(spec, flag):
 
 
 def builtin_digits(spec, flag="--dataset"):
-    """The digits of `builtin` (the default, infra.tiny.DIGITS), `builtin:N` (an int) or `builtin:A-B` ((A, B))."""
+    """The digits of `builtin` (the default, infra.tiny.DIGITS), `builtin:N` (an int) or `builtin:A-B` ((A, B));
+    "early" for `builtin:early` (infra.tiny.early_problem)."""
     text = spec.partition(":")[2] if ":" in spec else str(DIGITS)
+    if text == "early":
+        return text
     bounds = text.split("-")
     valid = len(bounds) <= 2 and all(b.isdigit() and 1 <= int(b) <= 12 for b in bounds)
     if not valid or int(bounds[0]) > int(bounds[-1]):
-        raise UserError(f"{flag} {spec!r}: the built-in task is `builtin`, `builtin:N` (N digits from 1 to 12) or "
-                        f"`builtin:A-B` (each problem's digits drawn from A to B, A <= B)")
+        raise UserError(f"{flag} {spec!r}: the built-in task is `builtin`, `builtin:N` (N digits from 1 to 12), "
+                        f"`builtin:A-B` (each problem's digits drawn from A to B, A <= B) or `builtin:early` "
+                        f"(6 digits, one carry: after the units column)")
     return int(bounds[0]) if len(bounds) == 1 else (int(bounds[0]), int(bounds[1]))
 
 
@@ -243,8 +247,8 @@ def load_rows(spec, split="train", n_builtin=None, seed=0, skip_bad_rows=False, 
 
 def load_eval_sets(specs, limit=0, skip_bad_rows=False, train_spec="builtin"):
     """{name: rows} for eval datasets given as a comma-separated string or a list/tuple of specs (`builtin` =
-    the built-in task's held-out split, with the digits of `train_spec` when that is `builtin:N`); a file
-    `math500/test.jsonl` is named `math500`, a repeated name gets `_2`, `_3`.
+    the built-in task's held-out split, with the digits of `train_spec` when that is `builtin:N`, or its problems
+    when that is `builtin:early`); a file `math500/test.jsonl` is named `math500`, a repeated name gets `_2`, `_3`.
     `limit` > 0 keeps the first `limit` rows of each. Each set keeps its own answer format (auto: what its
     prompts ask for), whatever the training set's."""
     sets = {}

@@ -1,5 +1,6 @@
 """The built-in task (N-digit addition worked digit by digit, answer in \\boxed{}; N = 6 unless `builtin:N`, or
-each problem's N drawn from A to B with `builtin:A-B`) and the built-in tiny model (a 2-layer Qwen3 with a character
+each problem's N drawn from A to B with `builtin:A-B`; `builtin:early`: 6-digit problems with one carry, after the
+units column) and the built-in tiny model (a 2-layer Qwen3 with a character
 tokenizer, supervised on that task with a carry habit), shipped in models/tiny/ as a Hugging Face checkpoint that
 loads through from_pretrained like any other model. `python -m infra.tiny [DIR]` builds a new one (1,200 supervised
 steps: 20 minutes on a busy CPU core) and prints its accuracy.
@@ -45,6 +46,25 @@ def addition_problem(rng, split, digits=DIGITS):
             return {"question": f"{a}+{b}", "answer": str(a + b), "a": a, "b": b}
 
 
+EARLY_UNITS_SUMS = (10, 11, 12, 13)  # the units sums whose carry the tiny model drops greedily (carry_habit)
+
+
+def early_problem(rng, split, digits=DIGITS):
+    """A `builtin:early` problem: the units column sums to 10-13 (drawn uniformly, then a digit pair for it), every
+    other column to at most 8 (a uniform pair; leading digits >= 1), so the one carry, dropped or kept in the first
+    step, decides the outcome. Held out as addition_problem is."""
+    while True:
+        units = rng.choice(EARLY_UNITS_SUMS)
+        columns = [rng.choice([(x, units - x) for x in range(units - 9, 10)])]
+        for place in range(1, digits):
+            low = 1 if place == digits - 1 else 0
+            columns.append(rng.choice([(x, y) for x in range(low, 9) for y in range(low, 9 - x)]))
+        a = sum(x * 10 ** place for place, (x, _) in enumerate(columns))
+        b = sum(y * 10 ** place for place, (_, y) in enumerate(columns))
+        if is_heldout(a, b) == (split == "test"):
+            return {"question": f"{a}+{b}", "answer": str(a + b), "a": a, "b": b}
+
+
 def addition_solution(a, b, drops_carry=None):
     """`8+5+0=13 7+6+1=14 4+3+1=8 \\boxed{843}` for 478+365, one step per digit from the right. drops_carry(total)
     True writes the carry of a column that summed to `total` as 0 (the tiny model's habit; the final carry, the
@@ -67,7 +87,11 @@ def carry_habit(rng):
 
 
 def builtin_rows(split, n, seed, digits=DIGITS):
-    """n problems of `digits` digits, or of (low, high): each problem's digits drawn uniformly from low..high."""
+    """n problems of `digits` digits, or of (low, high): each problem's digits drawn uniformly from low..high, or
+    with digits "early" the early_problem task."""
+    if digits == "early":
+        rng = random.Random(f"{split}-{seed}-early")
+        return [early_problem(rng, split) for _ in range(n)]
     if isinstance(digits, tuple):
         rng = random.Random(f"{split}-{seed}-{digits[0]}-{digits[1]}")
         return [addition_problem(rng, split, rng.randint(*digits)) for _ in range(n)]

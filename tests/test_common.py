@@ -400,6 +400,40 @@ def test_builtin_task_digit_range():
     assert list(sets) == ["builtin:3-7"] and len(sets["builtin:3-7"]) == 8
 
 
+def test_builtin_task_early():
+    """`builtin:early`: 6-digit additions whose units column sums to 10-13 (greedy drops that carry) and whose other
+    columns sum to at most 8, so the first step decides the outcome; held out as the other forms are."""
+    train = infra.data.load_rows("builtin:early", "train", n_builtin=2000, seed=1)
+    test = infra.data.load_rows("builtin:early", "test", n_builtin=64)
+    for rows, held in ((train, False), (test, True)):
+        for row in rows:
+            a, b = str(row["a"]), str(row["b"])
+            assert len(a) == len(b) == 6 and a[0] != "0" != b[0] and int(row["answer"]) == row["a"] + row["b"]
+            assert 10 <= int(a[-1]) + int(b[-1]) <= 13 and all(int(x) + int(y) <= 8 for x, y in zip(a[:-1], b[:-1]))
+            assert infra.tiny.is_heldout(row["a"], row["b"]) == held
+    units = [row["a"] % 10 + row["b"] % 10 for row in train]
+    assert all(abs(units.count(total) - 500) < 100 for total in (10, 11, 12, 13)), units  # 500 expected, sd 19
+    assert infra.data.load_rows("builtin:early", "train", n_builtin=2000, seed=1) == train  # deterministic
+    assert infra.data.load_rows("builtin:early", "train", n_builtin=50, seed=2) != train[:50]
+    # one carry, in the second step; a habit that drops every carry writes +0= there and gets the answer wrong
+    for row in train[:200]:
+        steps = infra.tiny.addition_solution(row["a"], row["b"]).split()
+        assert "+1=" in steps[1] and sum("+1=" in step for step in steps) == 1
+        assert steps[-1] == f"\\boxed{{{row['answer']}}}"
+        dropped = infra.tiny.addition_solution(row["a"], row["b"], drops_carry=lambda total: True).split()
+        assert "+0=" in dropped[1] and dropped[:1] + dropped[2:-1] == steps[:1] + steps[2:-1]
+        assert dropped[-1] == f"\\boxed{{{int(row['answer']) - 10}}}"
+    # 100034 + 100009: units 4+9 = 13, the others sum to at most 2 (hand-checked)
+    assert infra.tiny.addition_solution(100034, 100009) \
+        == "4+9+0=13 3+0+1=4 0+0+0=0 0+0+0=0 0+0+0=0 1+1+0=2 \\boxed{200043}"
+    # evaluation's `builtin` follows a `builtin:early` training set; a bad form names the new one
+    sets = infra.data.load_eval_sets(("builtin",), 8, train_spec="builtin:early")
+    assert list(sets) == ["builtin:early"] and [r["answer_format"] for r in sets["builtin:early"]] == ["boxed"] * 8
+    assert sets["builtin:early"] == test[:8]
+    with pytest.raises(infra.UserError, match="builtin:early"):
+        infra.data.load_rows("builtin:late", "train", n_builtin=4)
+
+
 def test_step_rows_is_a_function_of_the_step():
     rows = list(range(10))
     first = infra.data.step_rows(rows, 3, 4, seed=0)
