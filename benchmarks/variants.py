@@ -2,7 +2,8 @@
 
     OMP_NUM_THREADS=1 python benchmarks/variants.py tppo --seeds 0 1 2 --jobs 15 --eval-every 5 --probe-every 10 \\
         --variant "top-p 0.95=--top-p 0.95" --variant "lam-actor 0.95=--lam-actor 0.95" \\
-        --variant "critic-lr 1e-4=--critic-lr 1e-4" --variant "separate head=--critic-head separate"
+        --variant "critic-lr 1e-4=--critic-lr 1e-4" --variant "separate head=--critic-head separate" \
+        --preset-from runs/demo_table    # the preset's runs: demo_table.py's, with the same seeds and flags
     python benchmarks/variants.py tppo --seeds 0 1 2 --variant ... --from-runs   # the table again, no runs
 
 Each variant `NAME=FLAGS` runs `python <trainer>.py --seed S` with FLAGS added, in <output-dir>/<NAME>/ (the
@@ -60,22 +61,25 @@ def main():
     parser.add_argument("--jobs", type=int, default=1, help="runs side by side (each with OMP_NUM_THREADS threads)")
     parser.add_argument("--probe-every", type=int, default=0, help="critic probe every N steps")
     parser.add_argument("--from-runs", action="store_true", help="no runs: the table from the run folders")
+    parser.add_argument("--preset-from", default="", help="the preset's runs are there already, not run again: "
+                        "e.g. runs/demo_table, where demo_table.py ran the same command (same seeds and flags)")
     args, extra = parser.parse_known_args()
     variants = {"preset": [], **{name.strip(): shlex.split(flags) for name, flags in
                                  (spec.split("=", 1) for spec in args.variant)}}
-    folder = lambda name: os.path.join(args.output_dir, trainer_dir(name))  # noqa: E731
+    folder = lambda name: args.preset_from if name == "preset" and args.preset_from else os.path.join(  # noqa: E731
+        args.output_dir, trainer_dir(name))
+    done = {name for name in variants if args.from_runs or name == "preset" and args.preset_from}
     results = {name: [] for name in variants}
-    if args.from_runs:
-        for name in variants:
-            for seed in args.seeds:
-                path = os.path.join(ROOT, folder(name), f"demo_{args.trainer}_s{seed}", "metrics.jsonl")
-                if os.path.exists(path):
-                    with open(path) as handle:
-                        results[name].append(summarize([json.loads(line) for line in handle]))
-    else:
+    for name in done:  # the table from the run folders
+        for seed in args.seeds:
+            path = os.path.join(ROOT, folder(name), f"demo_{args.trainer}_s{seed}", "metrics.jsonl")
+            if os.path.exists(path):
+                with open(path) as handle:
+                    results[name].append(summarize([json.loads(line) for line in handle]))
+    if not args.from_runs:
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
             jobs = {pool.submit(run, args.trainer, seed, folder(name), [*extra, *flags], args.probe_every): name
-                    for seed in args.seeds for name, flags in variants.items()}
+                    for seed in args.seeds for name, flags in variants.items() if name not in done}
             for job in concurrent.futures.as_completed(jobs):
                 try:
                     result = job.result()
