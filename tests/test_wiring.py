@@ -52,20 +52,21 @@ def test_whitened_advantages_average_zero_over_the_batch(step_zero):
     # published reduction, a whitened batch's loss is not 0 either: token-mean lets the flag alone decide.) SPO (one
     # epoch here): the same over the low-probability tokens, its k3 KL to the reference is 0 before the update. The
     # actor's loss is logged only once the critic warm-up is over: ppo.py and sp3o.py run with --critic-warmup 0.
+    # (The demo preset: token-mean, lambda 1, one epoch, no whitening, for every file.)
     actor = ("--critic-warmup", "0")
-    whitened = (("ppo", VERL + actor), ("sp3o", VERL + actor), ("tppo", ()), ("spo", ("--epochs", "1")))
+    whiten = ("--whiten-advantages",)  # off in the controlled demo preset; on in TPPO's and SPO's published ones
+    whitened = (("ppo", VERL + actor), ("sp3o", VERL + actor), ("tppo", whiten), ("spo", whiten))
     for trainer, flags in whitened:
         assert abs(step_zero(trainer, *flags)["policy_loss"]) < 1e-5, trainer
     token_mean = ("--aggregation", "token-mean", *actor)  # whitening off: the published setting of ppo.py and sp3o.py
-    unwhitened = (("ppo", token_mean), ("sp3o", token_mean), ("tppo", ("--lam-actor", "1", "--no-whiten-advantages")),
-                  ("spo", ("--epochs", "1", "--no-whiten-advantages")))
+    unwhitened = (("ppo", token_mean), ("sp3o", token_mean), ("tppo", ()), ("spo", ()))
     for trainer, flags in unwhitened:
         assert abs(step_zero(trainer, *flags)["policy_loss"]) > 1e-3, trainer
 
 
 def test_sp3o_critic_is_dense_in_the_warmup_then_anchored(step_zero):
     # Same seed, same rollout, same initial critic: during the warm-up (the first 5 steps of the tiny preset) SP3O's
-    # critic loss is PPO's dense one (every valid token, seq-mean), after it the anchors' loss, a different number.
+    # critic loss is PPO's dense one (every valid token), after it the anchors' loss, a different number.
     ppo = step_zero("ppo")
     warmup = step_zero("sp3o")
     anchored = step_zero("sp3o", "--critic-warmup", "0")
@@ -73,9 +74,11 @@ def test_sp3o_critic_is_dense_in_the_warmup_then_anchored(step_zero):
     assert same(warmup, ppo, CRITIC)
     assert not same(anchored, ppo, ["value_loss"]) and not same(anchored, ppo, ["critic_grad_norm"])
     assert math.isfinite(anchored["value_loss"]) and anchored["value_loss"] > 0
-    # token-mean (verl's reduction) changes the dense loss's weights: the warm-up still follows PPO's
-    assert same(step_zero("sp3o", *VERL), step_zero("ppo", *VERL), CRITIC)
-    assert not same(step_zero("ppo", *VERL), ppo, ["critic_grad_norm"])
+    # seq-mean (SP3O's launcher; the demo preset takes token-mean) changes the dense loss's weights: the warm-up
+    # still follows PPO's
+    seq_mean = ("--aggregation", "seq-mean")
+    assert same(step_zero("sp3o", *seq_mean), step_zero("ppo", *seq_mean), CRITIC)
+    assert not same(step_zero("ppo", *seq_mean), ppo, ["critic_grad_norm"])
 
 
 def test_tppo_critic_targets_use_lambda_critic_not_lambda_actor(step_zero):
@@ -83,7 +86,7 @@ def test_tppo_critic_targets_use_lambda_critic_not_lambda_actor(step_zero):
     # the advantages) leaves every critic metric unchanged; changing lam_critic changes the critic's gradient.
     # (Its loss alone cannot tell: the zero-initialised head reads V = 1/2, and BCE(1/2, G) = ln 2 for any G.)
     default = step_zero("tppo")
-    other_actor = step_zero("tppo", "--lam-actor", "1", "--no-whiten-advantages")
+    other_actor = step_zero("tppo", "--lam-actor", "0.95", "--whiten-advantages")  # TPPO's published pair
     other_critic = step_zero("tppo", "--lam-critic", "0")
     assert default["reward"] == other_actor["reward"] == other_critic["reward"]  # the same rollout
     assert same(default, other_actor, CRITIC)
@@ -93,13 +96,14 @@ def test_tppo_critic_targets_use_lambda_critic_not_lambda_actor(step_zero):
 @pytest.mark.parametrize("trainer", infra.cli.trainers())
 def test_old_logprobs_are_the_engines_where_exact_else_recomputed(step_zero, trainer):
     # The logged gap |engine log-prob - old log-prob| is exactly 0 when the old log-probs are the HF engine's
-    # (--old-logprobs auto at top-p 1, the tiny preset of all but TPPO), and float noise (> 0, < 1e-4) when the
-    # trainer recomputes them (--old-logprobs recompute; TPPO samples at top-p 0.95: auto recomputes, the gap is then
-    # the truncation's, > 1e-4). Step 0's loss is the same either way, up to that noise.
+    # (--old-logprobs auto at top-p 1, the demo preset), and float noise (> 0, < 1e-4) when the trainer recomputes
+    # them (--old-logprobs recompute; at TPPO's published top-p 0.95 auto recomputes, the gap is then the
+    # truncation's, > 1e-4). Step 0's loss is the same either way, up to that noise.
     auto, recomputed = step_zero(trainer), step_zero(trainer, "--old-logprobs", "recompute")
     if trainer == "tppo":
-        assert auto["logprob_gap_max"] > 1e-4 and auto["logprob_gap_max"] == recomputed["logprob_gap_max"]
-        return
+        nucleus = step_zero(trainer, "--top-p", "0.95")
+        assert nucleus["logprob_gap_max"] > 1e-4 and nucleus["logprob_gap_max"] == step_zero(
+            trainer, "--top-p", "0.95", "--old-logprobs", "recompute")["logprob_gap_max"]
     assert auto["logprob_gap_max"] == 0.0
     assert 0.0 < recomputed["logprob_gap_max"] < 1e-4
     if "policy_loss" in auto:  # the actor's loss is logged once a critic warm-up is over
