@@ -30,7 +30,9 @@ Per map size and seed (each seed draws its own map, data and critic initialisati
   first --sequence-steps of the same batches (a step costs ~10x the MLP's). E[R | prefix] is still V^pi(s_t)
   (the chain is Markov), but no prefix repeats, so reaching it takes generalising across prefixes.
 - Metrics on held-out trajectories: MSE and Pearson correlation against V^pi over all visited positions;
-  variation ratio = sum over trajectories of std_t(prediction) / the same sum for V^pi (1 faithful, 0 flat);
+  variation ratio = sum over trajectories of std_t(prediction) / the same sum for V^pi (1 faithful, 0 flat),
+  beside its noise floor (`noise_floor`: the ratio of V^pi plus i.i.d. noise of the critic's MSE, which a critic's
+  errors alone would score) and the ratio / floor (well below 1: flatter than noise explains);
   sign accuracy of value changes between the start and the anchors (TPPO's diagnostic; intervals where
   V^pi moves by more than `sign_min_change`; a predicted change of 0 counts as wrong).
 - Network-free check: each cell's mean outcome over all visits, or over anchor visits only, against V^pi.
@@ -174,6 +176,28 @@ def std_ratio(pred_trajs, exact_trajs):
     pairs = [(np.std(p), np.std(e)) for p, e in zip(pred_trajs, exact_trajs) if len(e) > 1]
     exact_total = sum(e for _, e in pairs)
     return sum(p for p, _ in pairs) / exact_total if exact_total > 1e-9 else float("nan")
+
+
+NOISE_DRAWS = 8  # Gaussian draws averaged by the variation ratio's noise floor
+
+
+def noise_floor(exact_trajs, mse, unit_noise):
+    """The variation ratio (`std_ratio`) of a critic equal to V^pi plus noise of variance `mse`: i.i.d. per visited
+    position, unit_noise[d] (standard normal, one per position in `flatten`'s order) scaled by sqrt(mse), averaged
+    over the draws d. A critic's ratio well below its floor is flatter than its errors explain; near it, the ratio
+    cannot tell flattening from noise. Zero noise: exactly 1. V^pi constant in every trajectory: inf for mse > 0
+    (noise is all the variation), NaN for mse = 0 (as `std_ratio`)."""
+    if mse < 0:
+        raise ValueError(f"noise_floor: mse must be >= 0, got {mse}; pass the critic's MSE against V^pi")
+    lengths = [len(e) for e in exact_trajs]
+    if any(len(draw) != sum(lengths) for draw in unit_noise):
+        raise ValueError(f"noise_floor: each unit_noise draw needs one value per position ({sum(lengths)})")
+    if sum(np.std(e) for e in exact_trajs if len(e) > 1) <= 1e-9:  # V^pi flat in every trajectory
+        return float("inf") if mse > 0 else float("nan")
+    splits = np.cumsum(lengths)[:-1]
+    noisy_draws = ([e + n for e, n in zip(exact_trajs, np.split(np.sqrt(mse) * np.asarray(draw), splits))]
+                   for draw in unit_noise)
+    return float(np.mean([std_ratio(noisy, exact_trajs) for noisy in noisy_draws]))
 
 
 def interval_sign_accuracy(pred_trajs, exact_trajs, min_change=0.01):
@@ -400,6 +424,7 @@ def run_one(size, seed, args):
     info = {"p_success": v_exact[0], "mean_len": np.mean([len(t) for t in train]), "desc": desc,
             "tabular_all": tabular_target_mse(train, train_r, test, exact_trajs, np.arange, size**2),
             "tabular_anchors": tabular_target_mse(train, train_r, test, exact_trajs, anchor_positions, size**2)}
+    unit_noise = np.random.default_rng(map_seed).standard_normal((NOISE_DRAWS, len(flat_exact)))  # for noise_floor
     maps, results = {"exact": cell_map(flat_exact)}, {}
     networks = NETWORKS if args.network == "both" else (args.network,)
     for network, kind in [(network, kind) for network in networks for kind in CRITICS]:
@@ -407,8 +432,10 @@ def run_one(size, seed, args):
         pred = predict(kind, net, features, test, test_actions)
         flat_pred = np.concatenate(pred)
         corr = np.corrcoef(flat_pred, flat_exact)[0, 1] if flat_pred.std() > 0 else 0.0
-        results[network, kind] = {"mse": np.mean((flat_pred - flat_exact) ** 2), "corr": corr,
-                                  "variation_ratio": std_ratio(pred, exact_trajs),
+        mse, ratio = np.mean((flat_pred - flat_exact) ** 2), std_ratio(pred, exact_trajs)
+        floor = noise_floor(exact_trajs, mse, unit_noise)
+        results[network, kind] = {"mse": mse, "corr": corr, "variation_ratio": ratio, "noise_floor": floor,
+                                  "ratio_over_floor": ratio / floor,
                                   "sign_acc": interval_sign_accuracy(pred, exact_trajs, args.sign_min_change)}
         maps[network, kind] = cell_map(flat_pred)
     return results, maps, info
@@ -464,10 +491,11 @@ def main():
         summary.append(row)
     spread = lambda row, name, digits: f" ± {row[name + '_std']:.{digits}f}" if args.seeds > 1 else ""
     show = lambda row, name, digits=3: f"{row[name + '_mean']:.{digits}f}" + spread(row, name, digits)
-    lines = ["| size | network | critic | MSE vs exact | corr vs exact | variation ratio | sign acc |",
-             "|---" * 7 + "|"]
+    lines = ["| size | network | critic | MSE vs exact | corr vs exact | variation ratio | noise floor | ratio / floor "
+             "| sign acc |", "|---" * 9 + "|"]
     lines += [f"| {r['size']}x{r['size']} | {r['network']} | {r['critic']} | {show(r, 'mse', 4)} | "
-              f"{show(r, 'corr')} | {show(r, 'variation_ratio')} | {show(r, 'sign_acc')} |" for r in summary]
+              f"{show(r, 'corr')} | {show(r, 'variation_ratio')} | {show(r, 'noise_floor')} | "
+              f"{show(r, 'ratio_over_floor')} | {show(r, 'sign_acc')} |" for r in summary]
     lines += ["", "| size | P(success) | mean T | tabular target MSE, all states | tabular target MSE, anchors |",
               "|---" * 5 + "|"]
     one_per_size = {r["size"]: r for r in summary}.values()  # these columns describe the map: the same per size
@@ -480,7 +508,9 @@ def main():
     lines.append(f"\n{seeds}; {budget}, "
                  f"{args.reduction} losses, "
                  f"{args.batch_trajectories} of {args.train_trajectories} training trajectories per step, "
-                 f"{args.eval_trajectories} held-out trajectories.")
+                 f"{args.eval_trajectories} held-out trajectories. Noise floor: the variation ratio of V^pi plus "
+                 f"i.i.d. Gaussian noise of the critic's MSE per position ({NOISE_DRAWS} draws); ratio / floor per "
+                 f"seed, then averaged.")
     table = "\n".join(lines)
     print(table)
     with open(os.path.join(args.out_dir, "metrics.md"), "w") as f:

@@ -93,6 +93,49 @@ def test_std_ratio():
     assert np.isnan(fl.std_ratio(exact, [np.full(len(e), 1.0) for e in exact]))  # nothing to track
 
 
+def test_noise_floor_zero_noise_is_one():
+    exact = [np.array([0.1, 0.4, 0.9]), np.array([0.5, 0.2]), np.array([0.7])]
+    unit_noise = np.random.default_rng(0).standard_normal((3, 6))
+    assert fl.noise_floor(exact, 0.0, unit_noise) == 1.0
+
+
+def test_noise_floor_by_hand():
+    # V^pi: a = [0, 1] (std 0.5), b = [0.5, 0.5] (std 0), c = [0.3] (one position: left out, as std_ratio does).
+    # Noise sd = sqrt(0.01) = 0.1. Draw 1 [1, -1 | 1, -1 | 5]: a -> [0.1, 0.9] std 0.4, b -> [0.6, 0.4] std 0.1,
+    # ratio (0.4 + 0.1) / 0.5 = 1.0. Draw 2 [0, 0 | 0, 2 | -3]: a unchanged std 0.5, b -> [0.5, 0.7] std 0.1,
+    # ratio 0.6 / 0.5 = 1.2. Floor: the mean, 1.1.
+    exact = [np.array([0.0, 1.0]), np.array([0.5, 0.5]), np.array([0.3])]
+    unit_noise = [np.array([1.0, -1.0, 1.0, -1.0, 5.0]), np.array([0.0, 0.0, 0.0, 2.0, -3.0])]
+    assert fl.noise_floor(exact, 0.01, unit_noise) == pytest.approx(1.1)
+    assert fl.noise_floor(exact, 0.01, unit_noise[1:]) == pytest.approx(1.2)
+
+
+def test_noise_floor_grows_with_noise():
+    # Many trajectories: more noise, more within-trajectory variation, a higher floor (always above 1 here).
+    rng = np.random.default_rng(0)
+    exact = [np.linspace(0.2, 0.8, n) for n in rng.integers(2, 30, 300)]
+    unit_noise = rng.standard_normal((4, sum(len(e) for e in exact)))
+    floors = [fl.noise_floor(exact, mse, unit_noise) for mse in (1e-4, 1e-3, 1e-2, 1e-1)]
+    assert 1.0 < floors[0] < floors[1] < floors[2] < floors[3], floors
+
+
+def test_noise_floor_when_exact_values_are_flat():
+    # V^pi constant in each trajectory: the ratio has no denominator. Any noise is all the variation (inf);
+    # no noise and no variation is undefined (NaN, as std_ratio).
+    exact = [np.full(3, 0.4), np.full(2, 0.9), np.array([0.1])]
+    unit_noise = np.ones((2, 6))
+    assert fl.noise_floor(exact, 0.01, unit_noise) == float("inf")
+    assert np.isnan(fl.noise_floor(exact, 0.0, unit_noise))
+
+
+def test_noise_floor_rejects_bad_input():
+    exact = [np.array([0.0, 1.0])]
+    with pytest.raises(ValueError, match="mse must be >= 0"):
+        fl.noise_floor(exact, -0.1, np.zeros((1, 2)))
+    with pytest.raises(ValueError, match="one value per position"):
+        fl.noise_floor(exact, 0.1, np.zeros((1, 3)))
+
+
 def test_interval_sign_accuracy():
     exact = [np.linspace(0, 1, 11), np.array([0.5, 0.9, 0.2, 0.8, 0.1, 0.7, 0.3, 0.6, 0.4, 0.5, 0.0])]
     assert fl.interval_sign_accuracy(exact, exact) == 1.0
@@ -153,6 +196,9 @@ def test_same_seed_same_numbers():
     second, _, _ = fl.run_one(4, 0, args)
     assert set(first) == {(network, kind) for network in fl.NETWORKS for kind in fl.CRITICS}
     assert first == second
+    for values in first.values():  # the floor sits beside the ratio, and the table's quotient is the two's
+        assert values["noise_floor"] > 0
+        assert values["ratio_over_floor"] == pytest.approx(values["variation_ratio"] / values["noise_floor"])
 
 
 # ---------------------------------------------------------------- hand-built trajectories: batch, losses, critics
