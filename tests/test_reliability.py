@@ -601,7 +601,8 @@ def test_spo_resume_keeps_its_learning_rate_schedule(monkeypatch, capsys, tmp_pa
     half its peak). A run that has trained keeps its --steps, saying why; every hint that offers --steps 2N names a
     new run from its weights instead; a run of constant learning rate, or one with no step trained, may change it."""
     spo = importlib.import_module("spo")
-    run_dir, args = spo_run_folder(tmp_path, "decay", 2)
+    decay = ("--lr-schedule", "warmup-decay", "--mini-batches", 8, "--epochs", 2)  # SPO's published schedule and steps
+    run_dir, args = spo_run_folder(tmp_path, "decay", 2, *decay)
     total = args.steps * args.epochs * args.mini_batches  # the schedule a change would break: half-way at step 2
     assert spo.lr_factor(2 * args.epochs * args.mini_batches, total) == pytest.approx(0.5, abs=0.05)
     line = refusal(monkeypatch, capsys, "spo", "--resume", run_dir, "--steps", 8)
@@ -613,7 +614,7 @@ def test_spo_resume_keeps_its_learning_rate_schedule(monkeypatch, capsys, tmp_pa
         monkeypatch.setattr(sys, "argv", ["spo.py", *map(str, argv)])
         with pytest.raises(ModelLoaded):
             spo.main()
-    finished, args = spo_run_folder(tmp_path, "finished", 4)
+    finished, args = spo_run_folder(tmp_path, "finished", 4, *decay)
     further = f"start a new run from its weights: --model {finished}/checkpoints/step_000004/policy --run-name NAME " \
               "(a resume keeps --steps 4: its learning rate follows --lr-schedule warmup-decay over its 4 steps)"
     monkeypatch.setattr(sys, "argv", ["spo.py", "--resume", finished])
