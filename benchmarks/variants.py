@@ -70,12 +70,11 @@ def main():
         args.output_dir, trainer_dir(name))
     done = {name for name in variants if args.from_runs or name == "preset" and args.preset_from}
     results = {name: [] for name in variants}
-    for name in done:  # the table from the run folders
+    for name in done:  # the table from the run folders: finished runs only
         for seed in args.seeds:
-            path = os.path.join(ROOT, folder(name), f"demo_{args.trainer}_s{seed}", "metrics.jsonl")
-            if os.path.exists(path):
-                with open(path) as handle:
-                    results[name].append(summarize([json.loads(line) for line in handle]))
+            records = finished(os.path.join(ROOT, folder(name), f"demo_{args.trainer}_s{seed}"))
+            if records:
+                results[name].append(summarize(records))
     if not args.from_runs:
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
             jobs = {pool.submit(run, args.trainer, seed, folder(name), [*extra, *flags], args.probe_every): name
@@ -89,6 +88,18 @@ def main():
                 print(json.dumps({k: v for k, v in result.items() if k != "curve"}), flush=True)
                 results[jobs[job]].append(result)
     print(table(args.trainer, {name: rows for name, rows in results.items() if rows}))
+
+
+def finished(run_dir):
+    """The run's metrics.jsonl records if it ran all of its --steps (config.json), else None (missing or running)."""
+    try:
+        with open(os.path.join(run_dir, "config.json")) as handle:
+            steps = json.load(handle)["steps"]
+        with open(os.path.join(run_dir, "metrics.jsonl")) as handle:
+            records = [json.loads(line) for line in handle]
+    except FileNotFoundError:
+        return None
+    return records if len(records) >= steps else None
 
 
 def trainer_dir(name):

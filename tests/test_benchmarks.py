@@ -82,3 +82,16 @@ def test_variants_table_marks_a_difference_beyond_seed_noise():
     worse = [cell.strip() for cell in lines[3].strip("|").split("|")]
     assert worse[:4] == ["worse", "3", f"31.0 ± {4.30 / 3 ** 0.5:.1f} *", "41.0 ± 2.5"]  # AUC: the same, no mark
     assert worse[4] == "-0.50 ± 0.00"
+
+
+def test_variants_reads_finished_runs_only(tmp_path):
+    """A run folder counts once its metrics.jsonl holds all of config.json's steps: a run still going (or cut) is
+    left out of the table, not summarized from its first steps."""
+    import benchmarks.variants as variants
+    (tmp_path / "config.json").write_text(json.dumps({"steps": 3}))
+    with open(tmp_path / "metrics.jsonl", "w") as handle:
+        handle.write("\n".join(json.dumps({"step": step}) for step in range(2)) + "\n")
+    assert variants.finished(str(tmp_path)) is None and variants.finished(str(tmp_path / "absent")) is None
+    with open(tmp_path / "metrics.jsonl", "a") as handle:
+        handle.write(json.dumps({"step": 2}) + "\n")
+    assert [r["step"] for r in variants.finished(str(tmp_path))] == [0, 1, 2]
