@@ -67,7 +67,7 @@ def main():
     variants = {"preset": [], **{name.strip(): shlex.split(flags) for name, flags in
                                  (spec.split("=", 1) for spec in args.variant)}}
     folder = lambda name: args.preset_from if name == "preset" and args.preset_from else os.path.join(  # noqa: E731
-        args.output_dir, trainer_dir(name))
+        args.output_dir, variant_dir(name))
     done = {name for name in variants if args.from_runs or name == "preset" and args.preset_from}
     results = {name: [] for name in variants}
     for name in done:  # the table from the run folders: finished runs only
@@ -102,7 +102,7 @@ def finished(run_dir):
     return records if len(records) >= steps else None
 
 
-def trainer_dir(name):
+def variant_dir(name):
     """A variant's folder name: its name with anything but letters, digits, '.', '_' and '-' made '_'."""
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
 

@@ -39,11 +39,15 @@ def is_heldout(a, b):
     return (a * 10 ** len(str(b)) + b) % 61 == 0  # about 1.6% of all pairs; never used for SFT or RL
 
 
+def problem(a, b):
+    return {"question": f"{a}+{b}", "answer": str(a + b), "a": a, "b": b}
+
+
 def addition_problem(rng, split, digits=DIGITS):
     while True:
         a, b = rng.randint(10 ** (digits - 1), 10 ** digits - 1), rng.randint(10 ** (digits - 1), 10 ** digits - 1)
         if is_heldout(a, b) == (split == "test"):
-            return {"question": f"{a}+{b}", "answer": str(a + b), "a": a, "b": b}
+            return problem(a, b)
 
 
 EARLY_UNITS_SUMS = (10, 11, 12, 13)  # the units sums whose carry the tiny model drops greedily (carry_habit)
@@ -62,7 +66,7 @@ def early_problem(rng, split, digits=DIGITS):
         a = sum(x * 10 ** place for place, (x, _) in enumerate(columns))
         b = sum(y * 10 ** place for place, (_, y) in enumerate(columns))
         if is_heldout(a, b) == (split == "test"):
-            return {"question": f"{a}+{b}", "answer": str(a + b), "a": a, "b": b}
+            return problem(a, b)
 
 
 def addition_solution(a, b, drops_carry=None):
