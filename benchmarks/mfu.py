@@ -4,12 +4,16 @@ time, as a share of the matmul ceiling (benchmarks/ceiling.py) measured in the s
     OMP_NUM_THREADS=1 python benchmarks/mfu.py --layers 28 --response-length 1024
     OMP_NUM_THREADS=1 python benchmarks/mfu.py --layers 28 --response-length 1024 --gradient-checkpointing
     OMP_NUM_THREADS=1 python benchmarks/mfu.py --layers 8 --response-length 4096 --profile   # + a torch.profiler table
+    OMP_NUM_THREADS=1 python benchmarks/mfu.py --layers 8 --left-pad 1    # the masked attention of a padded batch
 
 The update step: bench_update.update_step on one micro-batch: common.response_logprobs (bf16 autocast over float32
 weights, as common.load_model sets up the trainers' models), loss = mean response log-prob, backward; no optimizer
 step. The model: bench_update.build_model, random weights of Qwen3-0.6B's shape (--layers of its 28), as
 common.load_model leaves it; or --model tiny (the built-in model). The batch: --rows
-rows of --prompt-length random prompt tokens (distinct prompts) and --response-length response tokens, no padding.
+rows of --prompt-length random prompt tokens (distinct prompts) and --response-length response tokens, no padding;
+--left-pad N makes each prompt's first N tokens padding, as a micro-batch of prompts of several lengths has: the
+model then takes the attention path with a padding mask (Hugging Face's SDPA: an explicit mask, key-value heads
+repeated), where an unpadded batch takes the causal kernel; the N padding tokens are not counted as useful.
 
 Useful FLOPs of one step, the standard dense count (forward + backward = 3 x forward; a multiply-add = 2 FLOPs), with
 L layers, hidden h, q = heads x head_dim, kv = key-value heads x head_dim, MLP width i, vocabulary V, B rows of
@@ -25,6 +29,7 @@ MFU = useful FLOPs / median step time / the ceiling: ceiling.py's matmul mix of 
 shape L times, the LM head's once, in nn.Linear's three layouts) at B x s tokens and B x T logit rows.
 """
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -78,6 +83,7 @@ def main():
     parser.add_argument("--rows", type=int, default=1, help="sequences in the micro-batch")
     parser.add_argument("--prompt-length", type=int, default=64)
     parser.add_argument("--response-length", type=int, default=1024)
+    parser.add_argument("--left-pad", type=int, default=0, help="padding tokens before each prompt (a masked batch)")
     parser.add_argument("--dtype", default="bfloat16", help="compute dtype (autocast); weights stay float32")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="recompute layer activations in backward")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
@@ -94,8 +100,16 @@ def main():
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     config = model.config
     batch = random_batch(config.vocab_size, args.rows, args.prompt_length, args.response_length, "cpu")
-    print(f"{args.model}, {config.num_hidden_layers} layers; {args.rows} x ({args.prompt_length} prompt + "
-          f"{args.response_length} response) tokens; {args.dtype} autocast"
+    if not 0 <= args.left_pad < args.prompt_length:
+        parser.error(f"--left-pad {args.left_pad}: give 0 to {args.prompt_length - 1} (fewer than --prompt-length)")
+    if args.left_pad:
+        mask = batch.attention_mask.clone()
+        mask[:, :args.left_pad] = 0
+        batch = dataclasses.replace(batch, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0))
+    real_prompt = args.prompt_length - args.left_pad
+    print(f"{args.model}, {config.num_hidden_layers} layers; {args.rows} x ({real_prompt} prompt + "
+          f"{args.response_length} response) tokens{f' after {args.left_pad} padding' if args.left_pad else ''}; "
+          f"{args.dtype} autocast"
           f"{', gradient checkpointing' if args.gradient_checkpointing else ''}; {args.threads} thread(s); "
           f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
     times = step_times(model, batch, args.warmup, args.steps)
@@ -104,7 +118,7 @@ def main():
     results = measure(config, args.rows * (args.prompt_length + args.response_length),
                       args.rows * args.response_length, getattr(torch, args.dtype), args.ceiling_seconds)
     ceiling = ceiling_flops_per_second(results, config.num_hidden_layers)
-    parts = useful_flops(config, args.rows, args.prompt_length, args.response_length)
+    parts = useful_flops(config, args.rows, real_prompt, args.response_length)
     flops = sum(parts)
     print(f"step times: {', '.join(f'{t:.3f}' for t in times)} s (load average {load:.2f}); peak resident memory "
           f"{peak_memory_gib('cpu'):.2f} GiB")
