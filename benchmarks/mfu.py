@@ -92,6 +92,8 @@ def main():
     parser.add_argument("--ceiling-seconds", type=float, default=1.0, help="time each ceiling matmul this long")
     parser.add_argument("--profile", action="store_true", help="also print torch.profiler's table of one more step")
     args = parser.parse_args()
+    if not 0 <= args.left_pad < args.prompt_length:
+        parser.error(f"--left-pad {args.left_pad}: give 0 to {args.prompt_length - 1} (fewer than --prompt-length)")
     torch.set_num_threads(args.threads)
     keep_freed_host_memory()  # as the trainers on CPU
     model = build_model(args.model, "cpu", args.dtype, 0 if args.model == "tiny" else args.layers)
@@ -100,13 +102,11 @@ def main():
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     config = model.config
     batch = random_batch(config.vocab_size, args.rows, args.prompt_length, args.response_length, "cpu")
-    if not 0 <= args.left_pad < args.prompt_length:
-        parser.error(f"--left-pad {args.left_pad}: give 0 to {args.prompt_length - 1} (fewer than --prompt-length)")
     if args.left_pad:
         mask = batch.attention_mask.clone()
         mask[:, :args.left_pad] = 0
         batch = dataclasses.replace(batch, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0))
-    real_prompt = args.prompt_length - args.left_pad
+    real_prompt = int(batch.attention_mask[0].sum()) - args.response_length  # the tokens the batch attends to
     print(f"{args.model}, {config.num_hidden_layers} layers; {args.rows} x ({real_prompt} prompt + "
           f"{args.response_length} response) tokens{f' after {args.left_pad} padding' if args.left_pad else ''}; "
           f"{args.dtype} autocast"
