@@ -63,7 +63,11 @@ def load_model(name_or_path, dtype="auto", device=None, trust_remote_code=False,
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
     if gradient_checkpointing:  # recompute each layer's activations in backward (HF checkpoints in train mode only)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # transformers < 6
+        options = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # its new name (5.25 has it); the old one warns
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
+        else:  # transformers before the rename (5.19)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
         model.train()
     model = model if dist.offloaded() else model.to(device)  # offloaded: FSDP moves a unit at a time, then to host
     return (dist.shard_model(model, model.compute_dtype) if dist.sharded() else model), tokenizer
@@ -76,37 +80,45 @@ def forward(model, batch, **kwargs):
         return model(**batch.model_inputs(), use_cache=False, **kwargs)
 
 
-def response_forward(model, batch):
+def response_forward(model, batch, hidden=False):
     """The model's outputs (.logits) at the states before each response token and after the last: columns P-1 ..
-    P+T-1, [B, T+1, ...]. Rows that share a prompt (a group's samples) share one pass over it: the prompt's keys and
-    values are computed once and indexed out to each row, so its activations and gradients are computed once per
-    group. The same numbers as one full forward up to float noise (tests/test_logprobs.py). One full forward under
-    gradient checkpointing (Hugging Face then keeps no cache) and FSDP (its backward hooks sit on a call's outputs;
-    the prompt pass has none in the loss)."""
+    P+T-1, [B, T+1, ...]. hidden=True: the final hidden states there instead, [B, T+1, d] (the LM head is left out
+    of the call: response_logprobs applies it a slice of the vocabulary at a time). Rows that share a prompt (a
+    group's samples) share one pass over it: the prompt's keys and values are computed once and indexed out to each
+    row, so its activations and gradients are computed once per group. The same numbers as one full forward up to
+    float noise (tests/test_logprobs.py). One full forward under gradient checkpointing (Hugging Face then keeps no
+    cache) and FSDP (its backward hooks sit on a call's outputs; the prompt pass has none in the loss)."""
     from transformers import DynamicCache
-    prompt_width = batch.input_ids.shape[1] - batch.response_width
-    prefix = slice(0, prompt_width - 1)  # the last prompt column goes with the response, so each row gets its output
-    prompts, rows = torch.cat([batch.input_ids[:, prefix], batch.attention_mask[:, prefix]], 1).unique(
-        dim=0, return_inverse=True) if prompt_width > 1 else (batch.input_ids, None)
-    parameters = inspect.signature(model.forward).parameters
-    keep = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}  # a value head keeps every column
-    cache_name = cache_argument(model)
-    if len(prompts) == len(batch.input_ids) or dist.sharded() or cache_name is None or any(
-            getattr(module, "gradient_checkpointing", False) for module in model.modules()):
-        outputs = forward(model, batch, **({"logits_to_keep": batch.response_width + 1} if keep else {}))
-        if outputs.logits.shape[1] > batch.response_width + 1:  # a value head's; a no-op slice's backward fills zeros
-            outputs.logits = outputs.logits[:, -batch.response_width - 1:]
-        return outputs
-    first = torch.zeros(len(prompts), dtype=torch.long, device=rows.device).scatter_(
-        0, rows, torch.arange(len(rows), device=rows.device))  # a row of each distinct prompt
-    inputs, dtype = batch.model_inputs(), getattr(model, "compute_dtype", torch.float32)
-    cache = DynamicCache(config=model.config)
-    with torch.autocast(batch.input_ids.device.type, dtype=dtype, enabled=dtype != torch.float32):
-        model(**{name: value[first, prefix] for name, value in inputs.items()}, use_cache=True, **{cache_name: cache},
-              **keep)
-        cache.batch_select_indices(rows)  # indexed: the copies' gradients add up in the prompt's pass
-        return model(input_ids=inputs["input_ids"][:, prompt_width - 1:], attention_mask=inputs["attention_mask"],
-                     position_ids=inputs["position_ids"][:, prompt_width - 1:], use_cache=True, **{cache_name: cache})
+    head = model.get_output_embeddings() if hidden else None
+    if hidden:  # outputs.logits = head(final hidden states): with an identity head, the hidden states themselves
+        model.set_output_embeddings(torch.nn.Identity())
+    try:
+        prompt_width = batch.input_ids.shape[1] - batch.response_width
+        prefix = slice(0, prompt_width - 1)  # the last prompt column goes with the response: each row gets its output
+        prompts, rows = torch.cat([batch.input_ids[:, prefix], batch.attention_mask[:, prefix]], 1).unique(
+            dim=0, return_inverse=True) if prompt_width > 1 else (batch.input_ids, None)
+        keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+        cache_name = cache_argument(model)  # (a value head has no logits_to_keep: it keeps every column)
+        if len(prompts) == len(batch.input_ids) or dist.sharded() or cache_name is None or any(
+                getattr(module, "gradient_checkpointing", False) for module in model.modules()):
+            outputs = forward(model, batch, **({"logits_to_keep": batch.response_width + 1} if keep else {}))
+            if outputs.logits.shape[1] > batch.response_width + 1:  # a value head's; a no-op slice's backward fills 0
+                outputs.logits = outputs.logits[:, -batch.response_width - 1:]
+            return outputs
+        first = torch.zeros(len(prompts), dtype=torch.long, device=rows.device).scatter_(
+            0, rows, torch.arange(len(rows), device=rows.device))  # a row of each distinct prompt
+        inputs, dtype = batch.model_inputs(), getattr(model, "compute_dtype", torch.float32)
+        cache = DynamicCache(config=model.config)
+        with torch.autocast(batch.input_ids.device.type, dtype=dtype, enabled=dtype != torch.float32):
+            model(**{name: value[first, prefix] for name, value in inputs.items()}, use_cache=True,
+                  **{cache_name: cache}, **keep)
+            cache.batch_select_indices(rows)  # indexed: the copies' gradients add up in the prompt's pass
+            return model(input_ids=inputs["input_ids"][:, prompt_width - 1:], attention_mask=inputs["attention_mask"],
+                         position_ids=inputs["position_ids"][:, prompt_width - 1:], use_cache=True,
+                         **{cache_name: cache})
+    finally:
+        if hidden:
+            model.set_output_embeddings(head)
 
 
 def cache_argument(model):
@@ -300,55 +312,78 @@ def sequence_batch(prompts, responses, pad_id):
                          torch.tensor(response_rows), torch.arange(response_width)[None, :] < lengths[:, None])
 
 
-class _TokenLogprobs(torch.autograd.Function):
-    """log softmax(z / tau)[y] = z_y / tau - logsumexp(z / tau) over [N, V] logits, a chunk of rows at a time.
-    Backward recomputes each chunk's softmax p: d/dz_j = (1[j = y] - p_j) / tau times the incoming gradient.
-    Saved for backward: the logits (alive anyway) and one logsumexp per row, never a float32 copy of them."""
-
-    @staticmethod
-    def forward(ctx, logits, tokens, temperature, rows_per_chunk):
-        out = torch.empty(tokens.shape, dtype=torch.float32, device=logits.device)
-        logsumexp = torch.empty_like(out)
-        for start in range(0, tokens.shape[0], rows_per_chunk):
-            part = slice(start, start + rows_per_chunk)
-            scaled = logits[part].float() if temperature == 1 else logits[part].float() / temperature
-            logsumexp[part] = scaled.logsumexp(-1)
-            out[part] = scaled.gather(-1, tokens[part, None]).squeeze(-1) - logsumexp[part]
-        ctx.save_for_backward(logits, tokens, logsumexp)
-        ctx.temperature, ctx.rows_per_chunk = temperature, rows_per_chunk
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        logits, tokens, logsumexp = ctx.saved_tensors
-        grad = torch.empty_like(logits)
-        for start in range(0, tokens.shape[0], ctx.rows_per_chunk):
-            part = slice(start, start + ctx.rows_per_chunk)
-            weight = grad_out[part, None].float() / ctx.temperature
-            chunk_grad = logits[part].to(torch.float32, copy=True)  # the one temporary
-            if ctx.temperature != 1:  # a pass over [rows, V] saved at temperature 1
-                chunk_grad.div_(ctx.temperature)
-            chunk_grad.sub_(logsumexp[part, None]).exp_().mul_(-weight)  # -p * g / tau
-            grad[part] = chunk_grad.scatter_add_(-1, tokens[part, None], weight)
-        return grad, None, None, None
+def response_logprobs(model, batch, temperature=1.0):
+    """[B, T] log-probs of the response tokens under `model` at the sampling temperature: the final hidden states at
+    the response columns, then the LM head and log-softmax a slice of the vocabulary at a time (head_logprobs), so
+    no [B, T, V] logits tensor exists in the forward or the backward pass. A head that is not a plain bias-free
+    Linear, or whose logits the model rescales or caps afterwards (Gemma 2, Cohere, Granite), takes whole logits."""
+    head = model.get_output_embeddings()
+    rescaled = any(getattr(model.config, name, None) for name in ("final_logit_softcapping", "logit_scale",
+                                                                   "logits_scaling"))
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None or rescaled:
+        logits = response_forward(model, batch).logits[:, :-1].float() / temperature
+        return logits.log_softmax(-1).gather(-1, batch.response_ids[..., None]).squeeze(-1)
+    hidden = response_forward(model, batch, hidden=True).logits[:, :-1]
+    # head.weight read after the forward: under FSDP2 the gathered weight (the root unit stays gathered until backward)
+    return head_logprobs(hidden, head.weight, batch.response_ids, temperature,
+                         getattr(model, "compute_dtype", torch.float32))
 
 
-def token_logprobs(logits, tokens, temperature=1.0, chunk_elements=2 ** 24):
-    """log softmax(logits / temperature)[tokens] for [..., V] logits and [...] tokens, in float32, without a
-    full-vocabulary log-softmax copy in the forward or the backward pass: the temporaries are one chunk of about
-    `chunk_elements` floats (64 MB). Contiguous logits are read in place (a non-contiguous view is copied once)."""
-    vocab = logits.shape[-1]
-    out = _TokenLogprobs.apply(logits.reshape(-1, vocab), tokens.reshape(-1), float(temperature),
-                               max(1, chunk_elements // vocab))
+def head_logprobs(hidden, weight, tokens, temperature=1.0, dtype=torch.float32, chunk_elements=2 ** 24):
+    """log softmax(hidden @ weight^T / temperature)[tokens] in float32 for [..., d] hidden states, the [V, d] LM head
+    and [...] tokens; matmuls in `dtype` (the model's compute dtype, as autocast runs the head). The logits exist a
+    slice of the vocabulary at a time, about `chunk_elements` (64 MB in float32; at least 256 columns)."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    columns = max(256, chunk_elements // max(1, flat.shape[0]))
+    out = _HeadLogprobs.apply(flat, weight, tokens.reshape(-1), float(temperature), dtype, columns)
     return out.view(tokens.shape)
 
 
-def response_logprobs(model, batch, temperature=1.0):
-    """[B, T] log-probs of the response tokens under `model` at the sampling temperature. The T+1 kept logit
-    columns go in whole (slicing off the last one would force a copy); the last column's target is a filler."""
-    logits = response_forward(model, batch).logits
-    targets = torch.cat([batch.response_ids, batch.response_ids[:, -1:]], 1)
-    return token_logprobs(logits, targets, temperature)[:, :-1]
+def _head_slices(hidden, weight, dtype, columns, temperature):
+    """(first column, the slice's [V_s, d] weight in `dtype`, its [N, V_s] logits / temperature in float32) for
+    each slice of `columns` vocabulary rows."""
+    for start in range(0, weight.shape[0], columns):
+        part = weight[start:start + columns].to(dtype)
+        logits = (hidden @ part.T).float()
+        yield start, part, logits if temperature == 1 else logits.div_(temperature)
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """log p_y = z_y / tau - logsumexp(z / tau) with z = h W^T, one vocabulary slice at a time (the idea of Liger's
+    fused linear cross-entropy): the logsumexp accumulates over slices. Saved for backward: h, W (not copies) and
+    one logsumexp per position. Backward recomputes each slice's z: dz_j = (1[j = y] - p_j) g / tau, then
+    dh += dz W_slice and dW_slice = dz^T h (each row of W written once). A tied W gets this gradient beside the
+    embedding's (autograd adds them)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, tokens, temperature, dtype, columns):
+        compute = hidden.to(dtype)
+        logsumexp = torch.full(tokens.shape, -torch.inf, device=hidden.device)
+        target, rows = torch.zeros_like(logsumexp), torch.arange(len(tokens), device=tokens.device)
+        for start, _, logits in _head_slices(compute, weight, dtype, columns, temperature):
+            logsumexp = torch.logaddexp(logsumexp, logits.logsumexp(-1))
+            inside = (tokens >= start) & (tokens < start + logits.shape[1])
+            target[inside] = logits[rows[inside], tokens[inside] - start]
+        ctx.save_for_backward(hidden, weight, tokens, logsumexp)
+        ctx.temperature, ctx.dtype, ctx.columns = temperature, dtype, columns
+        return target - logsumexp
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, tokens, logsumexp = ctx.saved_tensors
+        compute, scale = hidden.to(ctx.dtype), grad_out.float() / ctx.temperature
+        grad_hidden = torch.zeros(hidden.shape, device=hidden.device)  # float32: the slices' sum
+        grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
+        rows = torch.arange(len(tokens), device=tokens.device)
+        for start, part, logits in _head_slices(compute, weight, ctx.dtype, ctx.columns, ctx.temperature):
+            grad = logits.sub_(logsumexp[:, None]).exp_().mul_(-scale[:, None])  # -p g / tau, in place
+            inside = (tokens >= start) & (tokens < start + logits.shape[1])
+            grad[rows[inside], tokens[inside] - start] += scale[inside]
+            grad = grad.to(ctx.dtype)
+            grad_hidden += grad @ part
+            if grad_weight is not None:
+                grad_weight[start:start + len(part)] = grad.T @ compute
+        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None
 
 
 def critic_outputs(critic, batch):
@@ -373,32 +408,42 @@ def chunks(items, size):
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
-def token_budget_chunks(indices, lengths, max_tokens):
-    """Split `indices` into micro-batches of at most `max_tokens` padded tokens (rows x width); a row wider than
-    the budget goes alone. Rows are taken longest first, so rows of similar length share a micro-batch and
-    little padding is computed. `lengths[i]` is row i's length, or a (prompt, response) pair: in a SequenceBatch
-    the width is the longest prompt plus the longest response of the micro-batch (SequenceBatch.lengths())."""
+MICRO_BATCH_COST = 512  # a micro-batch's fixed cost counted in padded tokens (launches, FSDP's gathers): assumed
+
+
+def token_budget_chunks(indices, lengths, max_tokens, overhead=MICRO_BATCH_COST):
+    """Split `indices` into micro-batches of at most `max_tokens` padded tokens (rows x width; a row wider than the
+    budget goes alone) that compute the fewest padded tokens, each micro-batch counted `overhead` tokens more: rows
+    are taken longest response first, and a dynamic program over that order places the cuts. `lengths[i]` is row
+    i's length, or a (prompt, response) pair: in a SequenceBatch the width is the longest prompt plus the longest
+    response of the micro-batch (SequenceBatch.lengths())."""
     def parts(index):
         value = lengths[index]
         value = value.tolist() if torch.is_tensor(value) else value
         return tuple(int(v) for v in value) if isinstance(value, (tuple, list)) else (int(value),)
 
-    groups, group, widest = [], [], ()
-    for index in sorted(indices, key=lambda i: -sum(parts(i))):  # stable: equal lengths keep their order
-        wider = tuple(map(max, widest, parts(index))) if group else parts(index)
-        if group and (len(group) + 1) * sum(wider) > max_tokens:
-            groups.append(group)
-            group, wider = [], parts(index)
-        group.append(index)
-        widest = wider
-    return groups + [group] if group else groups
+    order = sorted(indices, key=lambda i: tuple(reversed(parts(i))), reverse=True)  # stable for equal lengths
+    cost, cut = [0] + [float("inf")] * len(order), [0] * (len(order) + 1)  # the best split of order[:end]
+    for end in range(1, len(order) + 1):
+        widest = parts(order[end - 1])
+        for start in range(end - 1, -1, -1):  # order[start:end] as the last micro-batch
+            widest = tuple(map(max, widest, parts(order[start])))
+            if (end - start) * sum(widest) > max_tokens and start < end - 1:
+                break
+            if cost[start] + (end - start) * sum(widest) + overhead < cost[end]:
+                cost[end], cut[end] = cost[start] + (end - start) * sum(widest) + overhead, start
+    groups, end = [], len(order)
+    while end:
+        groups.append(order[cut[end]:end])
+        end = cut[end]
+    return groups[::-1]
 
 
 def micro_batches(rows, lengths, micro_batch_size, max_tokens=0):
-    """Micro-batches of `rows`: packed by padded token count when max_tokens > 0, else micro_batch_size rows each.
-    Under torchrun every rank gets as many as the rank with the most (FSDP forwards are collective): the largest
-    micro-batches are halved until the counts agree. Rows go in rollout order, so a group's samples meet in a
-    micro-batch, where response_forward reads their prompt once."""
+    """Micro-batches of `rows`: packed by padded token count when max_tokens > 0 (token_budget_chunks), else
+    micro_batch_size rows each in rollout order, so a group's samples meet in a micro-batch, where response_forward
+    reads their prompt once. Under torchrun every rank gets as many as the rank with the most (FSDP forwards are
+    collective): the largest micro-batches are halved until the counts agree."""
     groups = token_budget_chunks(rows, lengths, max_tokens) if max_tokens else chunks(sorted(rows), micro_batch_size)
     wanted = max(dist.gather_objects(len(groups)))
     while len(groups) < wanted:

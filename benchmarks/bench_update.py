@@ -31,18 +31,27 @@ QWEN3_0_6B_SHAPE = dict(hidden_size=1024, num_hidden_layers=28, num_attention_he
                         max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6)
 
 
+SMOLLM2_135M_SHAPE = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                          head_dim=64, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
+                          max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5)  # its config.json
+SHAPES = {"qwen3-0.6b-shape": ("qwen3", QWEN3_0_6B_SHAPE), "smollm2-135m-shape": ("llama", SMOLLM2_135M_SHAPE)}
+
+
 def build_model(name, device, dtype, layers=0, value_head=0, **overrides):
-    """The tiny model, or a randomly initialized Qwen3-0.6B-shaped one (config fields in `overrides` replace its
-    shape's); value_head=k: the backbone with k scalar outputs per position, as common.load_model builds a critic."""
+    """The tiny model, or a randomly initialized one of a real model's shape (SHAPES: Qwen3-0.6B's, or
+    SmolLM2-135M-Instruct's, a Llama), config fields in `overrides` replacing its shape's; value_head=k: the
+    backbone with k scalar outputs per position, as common.load_model builds a critic."""
     if name == "tiny":
         model, _ = common.load_model("tiny", dtype, device)
         return model
-    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3ForTokenClassification
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+    kind, shape = SHAPES[name]
     torch.manual_seed(0)
     with torch.device(device):
-        shape = {**QWEN3_0_6B_SHAPE, **({"num_hidden_layers": layers} if layers else {}), **overrides}
-        model = Qwen3ForTokenClassification(Qwen3Config(**shape, num_labels=value_head)) if value_head else \
-            Qwen3ForCausalLM(Qwen3Config(**shape))
+        config = AutoConfig.for_model(kind, **{**shape, **({"num_hidden_layers": layers} if layers else {}),
+                                               **overrides}, **({"num_labels": value_head} if value_head else {}))
+        model = AutoModelForTokenClassification.from_config(config) if value_head else \
+            AutoModelForCausalLM.from_config(config)
     for module in model.modules():  # as common.load_model: no dropout (the value head's classifier_dropout)
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -139,7 +148,8 @@ def main():
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if cuda else "cpu", help="cpu or cuda")
-    parser.add_argument("--models", nargs="+", default=["tiny", "qwen3-0.6b-shape"], help="tiny, qwen3-0.6b-shape")
+    parser.add_argument("--models", nargs="+", default=["tiny", "qwen3-0.6b-shape"],
+                        help="tiny, qwen3-0.6b-shape, smollm2-135m-shape")
     parser.add_argument("--dtype", default="", help="compute dtype; weights stay float32, as in the trainers "
                         "(default: bfloat16 on GPU, float32 on CPU)")
     parser.add_argument("--batch-size", type=int, default=0, help="sequences per update step (default: 2 CPU, 16 GPU)")

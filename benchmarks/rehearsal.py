@@ -1,26 +1,30 @@
-"""A rehearsal at real shapes: one GRPO and one PPO update of a Qwen3-0.6B-shaped model on CPU, the measured peak
-memory beside infra.memory's plan for the same shape and settings, and the time per update.
+"""A rehearsal at real shapes: GRPO and PPO updates (and rollouts) of a model of a real model's shape on CPU, the
+measured peak memory beside infra.memory's plan for the same shape and settings, and the time.
 
-    OMP_NUM_THREADS=1 python benchmarks/rehearsal.py        # 2 layers; responses of 1,024, 2,048 and 4,096 tokens
+    OMP_NUM_THREADS=1 python benchmarks/rehearsal.py        # Qwen3-0.6B's shape, 2 layers: updates at 4,096, 8,192
+    OMP_NUM_THREADS=1 python benchmarks/rehearsal.py --model smollm2-135m-shape --layers 0 --phases rollout update \
+        --lengths 256 1024                                  # SmolLM2-135M's shape, all 30 layers
 
-The model: bench_update.QWEN3_0_6B_SHAPE (hidden 1024, 16 query / 8 key-value heads of 128, MLP 3072, vocabulary
-151,936, tied embeddings), randomly initialized, with --layers decoder layers; PPO's critic is the same backbone with a
-scalar head (AutoModelForTokenClassification, as ppo.py loads it). As a trainer runs a real model: float32 weights and
-AdamW states, bf16 compute (autocast), gradient checkpointing, the chunked log-prob (common.token_logprobs).
-The rollout: --samples responses of the given length (every one full-length) to prompts of 1,024 random tokens (the
-plan's prompt allowance, infra.memory.PROMPT_TOKENS), micro-batches of one sequence (--micro-batch-size 1), one
-mini-batch.
-The update, as grpo.py / ppo.py run it: the old log-probs (PPO: and the old values) without gradients, the advantages
-(grpo.group_advantages; ppo.gae on ppo.terminal_rewards), then per micro-batch common.response_logprobs and
-grpo.policy_loss (PPO: common.critic_outputs and ppo.value_loss too) and backward, then gradient clipping and an AdamW
-step per model. The AdamW states exist before it (a warm-up step on zero gradients), as from a trainer's second step on.
-Each method and length runs in a fresh process; its peak memory is that process's resident high-water mark (VmHWM),
-everything included (imports, model build, update). The plan: infra.memory.plan for the same models and settings (one
-sequence per micro-batch, checkpointing, bf16 compute, a CPU process), its update column (no rollout is run here).
-One torch thread (OMP_NUM_THREADS=1): on the shared 2-core machine at load 2.6 the GRPO update at 1,024 tokens took
-11.4 s with 1 thread, 15.1 s with 2.
-The default run took 10 min 34 s on this 2-core machine at load 3-6 and peaked at 10.6 GiB (PPO, 4,096 tokens).
-On the shared CPU machine wall times are inflated by other processes: the table prints the load average.
+The models (benchmarks/bench_update.SHAPES), randomly initialized with --layers decoder layers (0: the model's own):
+Qwen3-0.6B's shape (hidden 1024, 16 query / 8 KV heads of 128, MLP 3072, vocabulary 151,936, tied embeddings) or
+SmolLM2-135M-Instruct's (a Llama: hidden 576, 30 layers, 9 query / 3 KV heads of 64, MLP 1536, vocabulary 49,152,
+tied). PPO's critic is the same backbone with a scalar head (AutoModelForTokenClassification, as ppo.py loads it). As a
+trainer runs a real model: float32 weights and AdamW states, bf16 compute (autocast), gradient checkpointing, the
+LM head a vocabulary slice at a time (common.head_logprobs). The AdamW states exist before each phase (a warm-up step
+on zero gradients), as from a trainer's second step on.
+- update: --samples full-length responses to prompts of 1,024 random tokens (the plan's prompt allowance,
+  infra.memory.PROMPT_TOKENS), micro-batches of one sequence (--micro-batch-size 1), one mini-batch, as grpo.py /
+  ppo.py run it: the old log-probs (PPO: and the old values) without gradients, the advantages (grpo.group_advantages;
+  ppo.gae on ppo.terminal_rewards), then per micro-batch common.response_logprobs and grpo.policy_loss (PPO:
+  common.critic_outputs and ppo.value_loss too) and backward, then gradient clipping and an AdamW step per model.
+- rollout: the Hugging Face engine (infra.engine.HFGenerator) samples --rollout-samples responses to each of
+  --rollout-prompts distinct prompts of --rollout-prompt random tokens, every one forced to the full length (no stop
+  token), as a step's rollout: the plan for that batch (its engine column: the KV cache of those sequences).
+Each method, phase and length runs in a fresh process; its peak memory is that process's resident high-water mark
+(VmHWM), everything included (imports, model build, the phase). The plan: infra.memory.plan for the same models and
+settings (a CPU process, bf16 compute, the HF engine), its update or rollout column. One torch thread
+(OMP_NUM_THREADS=1): on the shared 2-core machine at load 2.6 the GRPO update at 1,024 tokens took 11.4 s with 1
+thread, 15.1 s with 2. On the shared CPU machine wall times are inflated by other processes: the table prints the load.
 """
 import argparse
 import json
@@ -41,21 +45,26 @@ SHAPE_FLAGS = dict(hidden="hidden_size", heads="num_attention_heads", kv_heads="
 
 
 def model_config(args):
-    """The model's config fields: Qwen3-0.6B's shape, --layers layers, any shape flag given replacing its field."""
-    from benchmarks.bench_update import QWEN3_0_6B_SHAPE
+    """The model's config fields: its shape, --layers layers (0: its own), any shape flag given replacing its field."""
+    from benchmarks.bench_update import SHAPES
     overrides = {field: getattr(args, flag) for flag, field in SHAPE_FLAGS.items() if getattr(args, flag)}
-    return {**QWEN3_0_6B_SHAPE, "num_hidden_layers": args.layers, **overrides}
+    return {**SHAPES[args.model][1], **({"num_hidden_layers": args.layers} if args.layers else {}), **overrides}
 
 
-def planned_rows(method, config, sequence):
-    """infra.memory's plan for one update of `method` on this CPU: policy (PPO: and a critic with one output), one
-    sequence of `sequence` tokens per micro-batch, checkpointing, bf16 compute, the HF engine (none runs here)."""
+def planned_rows(args, method, phase, response):
+    """infra.memory's plan for one phase of `method` on this CPU: policy (PPO: and a critic with one output), one
+    sequence of 1,024 + `response` tokens per micro-batch, checkpointing, bf16 compute, the HF engine generating
+    --rollout-prompts x --rollout-samples sequences of --rollout-prompt + `response` tokens."""
+    from benchmarks.bench_update import SHAPES
+    config = model_config(args)
     shape = Shape(config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"],
                   config["num_key_value_heads"], config["head_dim"], config["intermediate_size"], config["vocab_size"],
-                  config["tie_word_embeddings"])
+                  config["tie_word_embeddings"], qk_norm=SHAPES[args.model][0] == "qwen3")
     models = (("policy", shape, 0, True),) + (("critic", shape, 1, True),) * (method == "ppo")
+    sequence = PROMPT_TOKENS + response
+    rollout = (args.rollout_prompts * args.rollout_samples, args.rollout_prompt + response)
     return plan(Setup(models, tokens=sequence, sequence=sequence, checkpointing=True, compute_bytes=2, engine="hf",
-                      cpu=True, rows=1))
+                      cpu=True, rows=1, generated=rollout))
 
 
 def peak_resident_bytes():
@@ -73,23 +82,21 @@ def warm_optimizer(optimizer):
     optimizer.zero_grad(set_to_none=True)
 
 
-def one_update(args):
-    """In this process: build the model(s), run one update of args.method at args.response tokens, return figures."""
+def build_models(args):
+    """(policy, critic or None, optimizers, the method's module and Args) as a trainer holds them after a step."""
     import torch
 
-    import common
     import grpo
     import ppo
-    from benchmarks.bench_update import build_model, random_batch
+    from benchmarks.bench_update import build_model
     from infra.memory import keep_freed_host_memory
     torch.set_num_threads(args.threads)
     if not args.glibc_default:
         keep_freed_host_memory()  # as infra.run.Run does on CPU
-    config = model_config(args)
-    overrides = {key: value for key, value in config.items() if key != "num_hidden_layers"}
+    overrides = {key: value for key, value in model_config(args).items() if key != "num_hidden_layers"}
 
     def build(value_head=0):  # as common.load_model(..., gradient_checkpointing=True): bf16 compute, training mode
-        model = build_model("qwen3-0.6b-shape", "cpu", "bfloat16", args.layers, value_head, **overrides)
+        model = build_model(args.model, "cpu", "bfloat16", args.layers, value_head, **overrides)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return model.train()
 
@@ -102,7 +109,41 @@ def one_update(args):
                   for model, lr in zip(models, (hyper.lr, getattr(hyper, "critic_lr", 0)))]
     for optimizer in optimizers:
         warm_optimizer(optimizer)
-    batch = random_batch(config["vocab_size"], args.samples, PROMPT_TOKENS, args.response, "cpu")
+    return policy, critic, optimizers, method, hyper
+
+
+def one_rollout(args):
+    """In this process: the models and AdamW states, then one rollout of the HF engine, every sequence full-length."""
+    import types
+
+    import torch
+
+    from infra.engine import HFGenerator
+    policy, *_ = build_models(args)
+    policy.generation_config.eos_token_id = None  # no stop: every response runs to --response tokens
+    tokenizer = types.SimpleNamespace(eos_token_id=None, pad_token_id=0, chat_template=None)
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, policy.config.vocab_size, (args.rollout_prompts, args.rollout_prompt),
+                            generator=generator).tolist()
+    engine = HFGenerator(policy, tokenizer)
+    engine.tokenizer.decode = lambda tokens, skip_special_tokens=True: ""
+    start = time.perf_counter()
+    completions = engine.generate(prompts, args.rollout_samples, args.response, 1.0, 1.0)
+    seconds = time.perf_counter() - start
+    assert all(len(c.token_ids) == args.response for c in completions)
+    return dict(peak=peak_resident_bytes(), seconds=seconds, old_seconds=0.0, load=os.getloadavg()[0])
+
+
+def one_update(args):
+    """In this process: build the model(s), run one update of args.method at args.response tokens, return figures."""
+    import torch
+
+    import common
+    import ppo
+    from benchmarks.bench_update import random_batch
+    policy, critic, optimizers, method, hyper = build_models(args)
+    models = [policy] + [critic] * (critic is not None)
+    batch = random_batch(model_config(args)["vocab_size"], args.samples, PROMPT_TOKENS, args.response, "cpu")
     mask, rewards = batch.response_mask, torch.arange(args.samples).remainder(2).float()  # 0, 1, 0, 1 ...: A != 0
     rows, micro_size = list(range(args.samples)), 1
 
@@ -113,7 +154,7 @@ def one_update(args):
         advantages, returns = ppo.gae(ppo.terminal_rewards(rewards, mask), old_values, mask)
         critic_weights = mask / mask.sum(1, True).clamp(min=1)  # seq-mean, ppo.py's default
     else:
-        advantages = grpo.group_advantages(rewards, args.samples)[:, None].expand_as(old_logprobs)
+        advantages = method.group_advantages(rewards, args.samples)[:, None].expand_as(old_logprobs)
     update_start = time.perf_counter()
     counts = dict(num_sequences=len(rows), num_tokens=mask.sum().item(), max_length=args.response)
     for micro in common.micro_batches(rows, batch.lengths(), micro_size):
@@ -133,70 +174,83 @@ def one_update(args):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     end = time.perf_counter()
-    return dict(peak=peak_resident_bytes(), old_seconds=update_start - start, update_seconds=end - update_start,
+    return dict(peak=peak_resident_bytes(), old_seconds=update_start - start, seconds=end - update_start,
                 load=os.getloadavg()[0])
 
 
-def measure(args, method, response):
-    """Run one update in a fresh process (its own resident high-water mark); its figures."""
-    argv = [sys.executable, os.path.abspath(__file__), "--child", method, "--response", str(response)]
+CHILD_FLAGS = ("model", "layers", "samples", "threads", "rollout_prompts", "rollout_samples", "rollout_prompt")
+
+
+def measure(args, method, phase, response):
+    """Run one phase in a fresh process (its own resident high-water mark); its figures."""
+    argv = [sys.executable, os.path.abspath(__file__), "--child", f"{method}:{phase}", "--response", str(response)]
     for name, value in vars(args).items():
-        if name in ("layers", "samples", "threads", *SHAPE_FLAGS):
+        if name in (*CHILD_FLAGS, *SHAPE_FLAGS):
             argv += [f"--{name.replace('_', '-')}", str(value)]
     argv += ["--glibc-default"] * args.glibc_default
     done = subprocess.run(argv, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
     if done.returncode:
-        sys.exit(f"the {method} update at {response} tokens failed:\n{done.stderr[-3000:]}")
+        sys.exit(f"the {method} {phase} at {response} tokens failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def rehearse(args):
-    """[dict(method, response, planned, plan_rows, peak, old_seconds, update_seconds, load)] for every method and
-    length: each measured in its own process, planned here."""
-    config, results = model_config(args), []
+    """[dict(method, phase, response, planned, plan_rows, peak, seconds, old_seconds, load)] for every method,
+    phase and length: each measured in its own process, planned here."""
+    results = []
     for method in args.methods:
-        for response in args.lengths:
-            figures = measure(args, method, response)
-            rows = planned_rows(method, config, PROMPT_TOKENS + response)
-            results.append(dict(method=method, response=response, planned=sum(row[2] for row in rows),
-                                plan_rows={name: value for name, _, value, _, _ in rows}, **figures))
+        for phase in args.phases:
+            for response in args.lengths:
+                figures = measure(args, method, phase, response)
+                column = 2 if phase == "update" else 3
+                rows = planned_rows(args, method, phase, response)
+                results.append(dict(method=method, phase=phase, response=response,
+                                    planned=sum(row[column] for row in rows),
+                                    plan_rows={row[0]: row[column] for row in rows}, **figures))
+                print(report(results[-1:]).splitlines()[-1], file=sys.stderr, flush=True)  # as it goes
     return results
 
 
 def report(results):
-    lines = ["| method | response tokens | measured peak GiB | plan GiB | plan / measured | update s | "
-             "old log-probs s | load |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| method | phase | response tokens | measured peak GiB | plan GiB | plan / measured | seconds | "
+             "old log-probs s | load |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
-        lines.append(f"| {r['method']} | {r['response']:,} | {r['peak'] / GIB:.2f} | {r['planned'] / GIB:.2f} | "
-                     f"{r['planned'] / r['peak']:.2f} | {r['update_seconds']:.1f} | {r['old_seconds']:.1f} | "
-                     f"{r['load']:.2f} |")
+        lines.append(f"| {r['method']} | {r['phase']} | {r['response']:,} | {r['peak'] / GIB:.2f} | "
+                     f"{r['planned'] / GIB:.2f} | {r['planned'] / r['peak']:.2f} | {r['seconds']:.1f} | "
+                     f"{r['old_seconds']:.1f} | {r['load']:.2f} |")
     return "\n".join(lines)
 
 
 def checks(results, tolerance=TOLERANCE):
     """The failed checks' lines: the plan within +-tolerance of the measured peak; the peak at the longest length at
     most 2.5 x the peak at half of it (about linear growth)."""
-    failed = [f"{r['method']} {r['response']}: plan {r['planned'] / GIB:.2f} GiB vs measured {r['peak'] / GIB:.2f}"
-              for r in results if abs(r["planned"] / r["peak"] - 1) > tolerance]
-    for method in dict.fromkeys(r["method"] for r in results):
-        peaks = {r["response"]: r["peak"] for r in results if r["method"] == method}
+    failed = [f"{r['method']} {r.get('phase', 'update')} {r['response']}: plan {r['planned'] / GIB:.2f} GiB vs "
+              f"measured {r['peak'] / GIB:.2f}" for r in results if abs(r["planned"] / r["peak"] - 1) > tolerance]
+    for key in dict.fromkeys((r["method"], r.get("phase", "update")) for r in results):
+        peaks = {r["response"]: r["peak"] for r in results if (r["method"], r.get("phase", "update")) == key}
         longest = max(peaks)
         if longest // 2 in peaks and peaks[longest] > 2.5 * peaks[longest // 2]:
-            failed.append(f"{method}: {peaks[longest] / GIB:.2f} GiB at {longest} > 2.5 x "
+            failed.append(f"{' '.join(key)}: {peaks[longest] / GIB:.2f} GiB at {longest} > 2.5 x "
                           f"{peaks[longest // 2] / GIB:.2f} GiB at {longest // 2}")
     return failed
 
 
 def main():
+    from benchmarks.bench_update import SHAPES
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=2, help="decoder layers (Qwen3-0.6B has 28)")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="response tokens")
+    parser.add_argument("--model", default="qwen3-0.6b-shape", choices=sorted(SHAPES), help="the model's shape")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers (0: the model's own; Qwen3-0.6B: 28)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192], help="response tokens")
     parser.add_argument("--methods", nargs="+", default=["grpo", "ppo"], choices=["grpo", "ppo"])
-    parser.add_argument("--samples", type=int, default=2, help="sequences in the rollout (one micro-batch each)")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (OMP_NUM_THREADS of each update)")
+    parser.add_argument("--phases", nargs="+", default=["update"], choices=["update", "rollout"])
+    parser.add_argument("--samples", type=int, default=2, help="update: sequences (one micro-batch each)")
+    parser.add_argument("--rollout-prompts", type=int, default=8, help="rollout: distinct prompts")
+    parser.add_argument("--rollout-samples", type=int, default=8, help="rollout: samples per prompt")
+    parser.add_argument("--rollout-prompt", type=int, default=96, help="rollout: prompt tokens")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (OMP_NUM_THREADS of each process)")
     for flag, field in SHAPE_FLAGS.items():
         parser.add_argument(f"--{flag.replace('_', '-')}", type=int, default=0,
-                            help=f"{field} (default: Qwen3-0.6B's)")
+                            help=f"{field} (default: the model's)")
     parser.add_argument("--glibc-default", action="store_true", help="glibc's allocator at its defaults (freed large "
                         "blocks go back to the system), not keep_freed_host_memory as the trainers set it on CPU")
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
@@ -204,19 +258,21 @@ def main():
     parser.add_argument("--response", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        args.method = args.child
-        return print(json.dumps(one_update(args)))
+        args.method, phase = args.child.split(":")
+        return print(json.dumps(one_update(args) if phase == "update" else one_rollout(args)))
     import torch
     config = model_config(args)
     print(f"machine: {platform.processor() or platform.machine()} with {os.cpu_count()} cores, {args.threads} torch "
           f"thread(s); torch {torch.__version__}; load average before: {os.getloadavg()[0]:.2f}")
-    print(f"model: Qwen3-0.6B's shape with {args.layers} layers (hidden {config['hidden_size']}, vocabulary "
-          f"{config['vocab_size']:,}), bf16 compute, float32 weights, gradient checkpointing; a rollout of "
-          f"{args.samples} sequences of {PROMPT_TOKENS} prompt + the response tokens, one per micro-batch\n")
+    print(f"model: {args.model} with {config['num_hidden_layers']} layers (hidden {config['hidden_size']}, vocabulary "
+          f"{config['vocab_size']:,}), bf16 compute, float32 weights, gradient checkpointing; update: {args.samples} "
+          f"sequences of {PROMPT_TOKENS} prompt + the response tokens, one per micro-batch; rollout: "
+          f"{args.rollout_prompts} x {args.rollout_samples} sequences of {args.rollout_prompt} prompt + the response "
+          "tokens (HF engine)\n")
     results = rehearse(args)
     print(report(results))
-    print(f"\nload average after: {os.getloadavg()[0]:.2f}; measured: each update's process, resident high-water mark "
-          f"(VmHWM); plan: infra.memory.plan's update column")
+    print(f"\nload average after: {os.getloadavg()[0]:.2f}; measured: each phase's process, resident high-water mark "
+          f"(VmHWM); plan: infra.memory.plan's update or rollout column")
     if args.json:
         print(json.dumps(results))
     failed = checks(results)

@@ -158,11 +158,14 @@ def compute_device(model):
     return torch.device(_offload_device) if _offload_device else model.device
 
 
-def full_weights(model):
+def full_weights(model, dtype=None):
     """(name, whole tensor) for each entry of model.state_dict(), an FSDP shard gathered one tensor at a time
-    (under torchrun every rank must iterate: each gather is collective)."""
+    (under torchrun every rank must iterate: each gather is collective); floating-point ones cast to `dtype` if given,
+    before the gather (bf16: half the bytes; a tensor already in `dtype` is itself, no copy)."""
     from torch.distributed.tensor import DTensor
     for name, tensor in model.state_dict().items():
         if isinstance(tensor, DTensor):  # an offloaded shard goes to the mesh's device first (as torch's own gather)
-            tensor = tensor.to(tensor.device_mesh.device_type).full_tensor()
-        yield name, tensor
+            tensor = tensor.to(tensor.device_mesh.device_type)
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

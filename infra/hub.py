@@ -1,13 +1,14 @@
 """Where a --model comes from, checked in seconds before anything loads: a local folder, the local Hugging Face
 cache, or the hub when it can be reached (offline, a name that is not in the cache fails at once, in one line,
-instead of retrying the network for a minute and printing a traceback); `tiny` is the built-in model's folder.
+instead of retrying the network for a minute and printing a traceback); `tiny` is the built-in model's folder,
+`smollm2-135m-instruct` a real one converted from a pip package (infra/gguf_model.py).
 """
 import functools
 import os
 import subprocess
 import sys
 
-from infra import UserError
+from infra import UserError, gguf_model
 
 PROBE_TIMEOUT_S = 5  # one request to the hub's endpoint, only for a hub name that is not in the local cache
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -17,16 +18,19 @@ TINY_MODEL_VERSION = "tiny-v4"  # the cache's name for a model built here when m
 
 
 def resolve_model_name(name, flag="--model"):
-    """`tiny` -> the built-in checkpoint (models/tiny/); a bare `Qwen3-4B-Base` -> `Qwen/Qwen3-4B-Base`;
-    local paths and `org/name` hub ids pass through."""
+    """`tiny` -> the built-in checkpoint (models/tiny/); `smollm2-135m-instruct` -> its folder converted from the
+    pip package's GGUF file (infra.gguf_model); a bare `Qwen3-4B-Base` -> `Qwen/Qwen3-4B-Base`; local paths and
+    `org/name` hub ids pass through."""
     if name == "tiny":
         return tiny_model_path()
+    if gguf_model.is_packaged_model(name) and not os.path.exists(name):  # smollm2-135m-instruct
+        return gguf_model.packaged_model_path(name, CACHE_DIR)
     if os.path.exists(name) or "/" in name:
         return name
     if name.lower().startswith(("qwen", "qwq")):
         return f"Qwen/{name}"
     raise UserError(f"{flag} {name!r} is neither a local path nor a hub id (org/name); "
-                    "use e.g. Qwen3-4B-Base, Qwen/Qwen3-4B-Base, ./my_checkpoint or tiny")
+                    "use e.g. Qwen3-4B-Base, Qwen/Qwen3-4B-Base, ./my_checkpoint, smollm2-135m-instruct or tiny")
 
 
 def tiny_model_path():
@@ -82,3 +86,21 @@ def _unreachable(endpoint):
     except Exception as error:  # no DNS, no route, refused, timed out
         return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'no answer'}"
     return None
+
+
+def config_folder(name, flag="--model"):
+    """A folder holding --model `name`'s config.json, for the memory plan before any weights load: the local folder,
+    or the hub model's snapshot in the local Hugging Face cache, its config.json alone downloaded first when it is
+    not there yet (hf_hub_download; the weights come when the model loads). A name that cannot be had fails in
+    check_model_source's one line (offline without a cache too)."""
+    check_model_source(name, flag)
+    path = resolve_model_name(name, flag)
+    if os.path.isdir(path):
+        return path
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+    cached = try_to_load_from_cache(path, "config.json")
+    try:
+        return os.path.dirname(cached if isinstance(cached, str) else hf_hub_download(path, "config.json"))
+    except Exception as error:  # a network error, a gated or missing repository
+        raise UserError(f"{flag} {name!r}: its config.json could not be fetched for the memory plan "
+                        f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'no answer'})")

@@ -1,168 +1,21 @@
-"""The memory plan: what one GPU holds during a run, computed before any model loads from the model's config.json,
-the method (policy; critic on its --critic-model backbone; a frozen reference when --kl-coef > 0), the number of
-ranks (FSDP2 shards weights, gradients and AdamW states over them), the dtype policy (float32 weights and AdamW
-states, bf16 compute), gradient checkpointing, the micro-batch token budget and the vLLM engine's share.
-Run.__init__ prints it when a real-model run starts (the tiny demo: with --gpu-memory-gib) and refuses, in one line
-naming flags that fit, a plan larger than the device or than this machine's available memory (a CPU run's whole
-plan; the host column). `python -m infra.memory --table`: the README's scaling table.
-Estimates from shapes, not measurements: not yet compared with a measured GPU peak; compared with measured CPU peaks
-at Qwen3-0.6B's shapes by benchmarks/rehearsal.py (docs/scaling.md)."""
+"""The memory plan at a run's start and in the README's table: Run.__init__ prints the plan (infra/memory_plan.py:
+the arithmetic) when a real-model run starts (the tiny demo: with --gpu-memory-gib), refuses in one line naming
+flags that fit a plan larger than the device or than this machine's available memory (a CPU run's whole plan; the
+host column), and hands the vLLM engine its share of the GPU (auto: what the trainer leaves). `python -m
+infra.memory --table`: GPUs each method needs, at the defaults and at other settings (docs/scaling.md).
+"""
 import ctypes
 import dataclasses
-import importlib.util
 import itertools
 import os
 import sys
 
-from infra import UserError, dist
-from infra.cli import trainer_defaults, trainers
+from infra import UserError
+from infra.cli import RunArgs, trainer_defaults, trainers
+from infra.memory_plan import (CPU_BASELINE, GIB, PROMPT_TOKENS, QWEN3, Setup, Shape, peak, plan, read_shape,  # noqa
+                               setup_for, table, vllm_share)
 
-GIB = 2 ** 30
-PROMPT_TOKENS = 1024  # planning allowance for a prompt (no flag caps prompts; GSM8K/MATH prompts are shorter)
-OVERHEAD = GIB  # CUDA context, cuBLAS/NCCL workspaces, allocator slack: an assumption, not measured
-CPU_BASELINE = GIB // 3  # a CPU run's process before its models: Python, torch, transformers (measured: 0.32 GiB)
-CPU_HEAP_SLACK = 0.15  # a CPU run's freed blocks that glibc keeps, over its live bytes (benchmarks/rehearsal.py:
-# measured 10-35% with keep_freed_host_memory, more at small shapes; not derived, fitted)
-HF_ENGINE_BATCH = 256  # sequences per Hugging Face generate call (infra.engine.HFGenerator's batch_size)
-QWEN3 = {  # published config.json: hidden, layers, heads, KV heads, head_dim, intermediate, vocab, tied embeddings
-    "Qwen3-0.6B": (1024, 28, 16, 8, 128, 3072, 151936, True), "Qwen3-1.7B": (2048, 28, 16, 8, 128, 6144, 151936, True),
-    "Qwen3-4B": (2560, 36, 32, 8, 128, 9728, 151936, True), "Qwen3-8B": (4096, 36, 32, 8, 128, 12288, 151936, False)}
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """A dense decoder (Qwen3, Qwen2, Llama, Mistral) as its config.json gives it."""
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    tied: bool
-    qk_norm: bool = True  # Qwen3's RMSNorm over each head of q and k
-    qkv_bias: bool = False  # Qwen2's q/k/v biases
-
-    def layer_parameters(self):
-        """q, k, v, o projections (+ biases), q/k norms, gate/up/down projections, two RMSNorms."""
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        attention = self.hidden * (q + 2 * kv) + q * self.hidden + (q + 2 * kv) * self.qkv_bias
-        return attention + 2 * self.head_dim * self.qk_norm + 3 * self.hidden * self.intermediate + 2 * self.hidden
-
-    def parameters(self, value_head=0):
-        """Embeddings, layers, final norm, then the LM head (none when tied) or value_head=k: a Linear(hidden, k)
-        score with bias (AutoModelForTokenClassification, the critic)."""
-        body = self.vocab * self.hidden + self.layers * self.layer_parameters() + self.hidden
-        return body + ((self.hidden + 1) * value_head if value_head else (not self.tied) * self.vocab * self.hidden)
-
-
-def read_shape(name):
-    """(Shape, None) from the config.json of a local directory, the built-in model or a hub id already in the
-    Hugging Face cache (nothing is downloaded, no weights are read); (None, why not) otherwise."""
-    from transformers import AutoConfig
-
-    import common
-    try:
-        config = AutoConfig.from_pretrained(common.resolve_model_name(name), local_files_only=True)
-    except (OSError, ValueError):
-        return None, f"no config.json of {name!r} on disk (a hub model not downloaded yet)"
-    kind, heads = config.model_type, config.num_attention_heads
-    if kind not in ("qwen3", "qwen2", "llama", "mistral"):
-        return None, f"{name!r} is a {kind!r} model; the plan knows dense qwen3, qwen2, llama and mistral decoders"
-    return Shape(config.hidden_size, config.num_hidden_layers, heads, config.num_key_value_heads or heads,
-                 getattr(config, "head_dim", None) or config.hidden_size // heads, config.intermediate_size,
-                 config.vocab_size, bool(config.tie_word_embeddings), kind == "qwen3",
-                 kind == "qwen2" or bool(getattr(config, "attention_bias", False))), None
-
-
-@dataclasses.dataclass(frozen=True)
-class Setup:
-    """What the plan depends on. models: ((role, Shape, value_head, trained), ...), the policy first."""
-    models: tuple
-    ranks: int = 1
-    offload: bool = False  # --offload-optimizer: FSDP2's CPUOffloadPolicy keeps the float32 state in host memory
-    tokens: int = 16384  # padded tokens of the largest micro-batch
-    sequence: int = PROMPT_TOKENS + 8192  # the longest sequence: prompt allowance + --max-response-tokens
-    checkpointing: bool = True
-    compute_bytes: int = 2  # bf16 compute (4: float32)
-    engine: str = "vllm"  # the rollout engine: vllm (its share of the device) or hf (generate on a policy copy)
-    engine_bytes: float = 0.0  # vLLM's share: --gpu-memory-utilization x device memory
-    cpu: bool = False  # a CPU run: the plan is of the process's resident memory, its baseline for the CUDA context
-    rows: int = 0  # sequences per micro-batch (--micro-batch-size); 0: packed by tokens (--micro-batch-tokens)
-
-
-def training_pass(shape, value_head, setup):
-    """(compute copies, activations, logits, gradient buffers) in bytes of one micro-batch's forward and backward
-    through a trained model. Per token, one decoder layer saves for backward: its two RMSNorms' float32 input and
-    normalized copy (2 x 8h), the normed inputs of the projections in the compute dtype (2bh), q/k norms in float32
-    (8(q + kv)), SDPA's q and k, v repeated to all heads, its output and o_proj's input (5bq; a padding mask rules out
-    SDPA's own GQA), the MLP's gate, up, SiLU(gate) and product (4bI). Logits: the response's columns only
-    (common.response_forward keeps T + 1 of them), or every token when packed by tokens (prompts may be short).
-    Gradient buffers (one process, from the second micro-batch of a mini-batch on): autograd makes each gradient
-    before adding it to the accumulated one; the largest waiting at once are the embedding matrix's, a tied LM
-    head's float32 gradient held until the embedding's own arrives at the end of the backward pass, and that one
-    (2 x 4Vh; untied or a value head: 4Vh). Measured on CPU (benchmarks/rehearsal.py); FSDP2: its own accounting."""
-    h, b, tokens, sharded = shape.hidden, setup.compute_bytes, setup.tokens, setup.ranks > 1 or setup.offload
-    q, kv, layer = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.layer_parameters()
-    if sharded:  # FSDP2: the root unit (embeddings, norm, head) stays gathered from forward to backward; two layers
-        # gathered (one prefetched); one layer's gradient before its float32 reduce-scatter
-        compute = b * (shape.parameters(value_head) - shape.layers * layer) + 2 * b * layer + (b + 4) * layer
-    else:  # autocast keeps a compute-dtype cast of every matmul weight until the forward ends (the embedding's: tied)
-        compute = (b < 4) * b * (shape.layers * layer + shape.vocab * h * (not value_head))
-    residual = b if sharded else 4  # autocast over float32 weights keeps the residual stream in float32
-    saved = 16 * h + 2 * b * h + 8 * (q + kv) + 5 * b * q + 4 * b * shape.intermediate
-    per_token = shape.layers * residual * h + saved if setup.checkpointing else shape.layers * saved
-    activations = tokens * per_token + tokens * min(setup.sequence, tokens)  # + SDPA's boolean B x S x S mask
-    columns = setup.rows * (setup.sequence - PROMPT_TOKENS + 1) if setup.rows else tokens
-    logits = 0 if value_head else 2 * b * columns * shape.vocab  # bf16 logits and their gradient, no float32 copy
-    buffers = 0 if sharded else 4 * shape.vocab * h * (1 + (shape.tied and not value_head))
-    return compute, activations, logits, buffers
-
-
-def plan(setup):
-    """[(component, what, update-phase bytes, rollout-phase bytes, host bytes)] per GPU (host: per rank)."""
-    ranks, on_gpu = setup.ranks, not setup.offload
-    every = sum(shape.parameters(head) for _, shape, head, _ in setup.models)
-    trained = sum(shape.parameters(head) for _, shape, head, train in setup.models if train)
-    weights, gradients, adam = 4 * every / ranks, 4 * trained / ranks, 8 * trained / ranks
-    passes = [training_pass(shape, head, setup) for _, shape, head, train in setup.models if train] or [(0,) * 4]
-    compute, activations, logits, buffers = max(passes, key=sum)
-    policy = setup.models[0][1]
-    if setup.engine == "vllm":  # asleep during the update (level 1: its bf16 weights wait in host memory)
-        engine = (0, setup.engine_bytes, 2 * policy.parameters())
-        engine_what = f"vLLM, {setup.engine_bytes / GIB:.1f} GiB share (asleep in the update)"
-    else:  # a whole policy copy when the policy is sharded; the KV cache of a batch of full-length sequences
-        b, copy = setup.compute_bytes, setup.compute_bytes * policy.parameters() * (ranks > 1 or setup.offload)
-        cache = HF_ENGINE_BATCH * setup.sequence * 2 * policy.layers * policy.kv_heads * policy.head_dim * b
-        engine, engine_what = (copy, copy + cache, 0), f"HF generate: KV cache of {HF_ENGINE_BATCH} sequences"
-    roles = " + ".join(f"{role} {count / 1e9:.2f}B" if count > 1e7 else f"{role} {count / 1e6:.2f}M"
-                       for role, count in ((role, shape.parameters(head)) for role, shape, head, _ in setup.models))
-    where = f"over {ranks} rank{'s' * (ranks > 1)}" + ", in host memory" * setup.offload
-    layers = "checkpointed layers" if setup.checkpointing else "every layer (no checkpointing)"
-    rows = [("weights", f"float32, {roles}, {where}", weights * on_gpu, weights * on_gpu, weights * setup.offload),
-            ("gradients", "float32, trained models", gradients * on_gpu, 0, gradients * setup.offload),
-            ("AdamW states", "float32, 2 per trained parameter", adam * on_gpu, adam * on_gpu, adam * setup.offload),
-            ("compute copies", "bf16 weights in use (autocast casts or FSDP units)", compute, 0, 0),
-            ("activations", f"{setup.tokens:,} tokens per micro-batch, {layers}", activations, 0, 0),
-            ("logits", "vocab x response tokens in bf16, and their gradient", logits, 0, 0),
-            ("grad buffers", "the embedding's gradients before they are accumulated", buffers, 0, 0),
-            ("engine", engine_what, *engine)]
-    if setup.cpu:  # the process's own baseline, and the freed blocks glibc keeps (keep_freed_host_memory)
-        return rows + [("overhead", f"Python, torch; {CPU_HEAP_SLACK:.0%} freed blocks kept (CPU)", *(
-            CPU_BASELINE + CPU_HEAP_SLACK * sum(row[column] for row in rows) for column in (2, 3)), 0)]
-    return rows + [("overhead", "CUDA context, workspaces (assumed)", OVERHEAD, OVERHEAD, 0)]
-
-
-def peak(rows):
-    return max(sum(row[2] for row in rows), sum(row[3] for row in rows))
-
-
-def table(rows, title):
-    """The plan as printed, in 120 columns: one line per component, GiB in the update and rollout phases and in host
-    memory (each column 9 wide: up to 99,999.9 GiB)."""
-    rows = rows + [("total GiB", "", *(sum(row[column] for row in rows) for column in (2, 3, 4)))]
-    return "\n".join([f"{title[:93]:<93}{'update':>9}{'rollout':>9}{'host':>9}"] + [
-        f"  {name:<15}{what[:76]:<76}{u / GIB:>9.1f}{r / GIB:>9.1f}{h / GIB:>9.1f}" for name, what, u, r, h in rows])
+FALLBACK_SHARE = 0.3  # vLLM's share where no plan sizes it (a CPU run, an architecture the plan does not know)
 
 
 def host_memory():
@@ -223,48 +76,30 @@ def fitting_flags(setup, limit, host=None):
     return found[:4]
 
 
-def setup_for(args, device, gpu_bytes):
-    """(Setup, None) for a trainer's parsed args, or (None, why not). gpu_bytes: the GPU's memory (0: a CPU run)."""
-    policy, why = read_shape(args.model)
-    critic, why = (read_shape(args.critic_model) if getattr(args, "critic_model", "") else (policy, why)) \
-        if policy else (None, why)
-    if critic is None:
-        return None, why
-    outputs, trained = 2 if getattr(args, "critic_head", "") == "separate" else 1, not args.eval_only  # tppo: 2 heads
-    models = [("policy", policy, 0, trained)] + [("critic", critic, outputs, trained)] * hasattr(args, "critic_model") \
-        + [("reference", policy, 0, False)] * (getattr(args, "kl_coef", 0) > 0)
-    sequence = PROMPT_TOKENS + args.max_response_tokens
-    tokens = max(args.micro_batch_tokens, sequence) if args.micro_batch_tokens else args.micro_batch_size * sequence
-    vllm = bool(gpu_bytes) and args.generator != "hf" and (  # planning for another GPU: vLLM, as recommended
-        args.generator == "vllm" or not device.startswith("cuda") or importlib.util.find_spec("vllm") is not None)
-    share = args.gpu_memory_utilization * gpu_bytes if vllm else 0.0
-    if not gpu_bytes and args.generator == "vllm":  # vLLM's CPU build: a KV cache of --vllm-kv-cache-gib
-        vllm, share = True, args.vllm_kv_cache_gib * GIB
-    rows = 0 if args.micro_batch_tokens else args.micro_batch_size
-    float32 = args.dtype == "float32" or args.dtype == "auto" and not gpu_bytes  # auto: float32 on CPU
-    return Setup(tuple(models), dist.world_size(), args.offload_optimizer, tokens, sequence,
-                 args.gradient_checkpointing, 4 if float32 else 2, "vllm" if vllm else "hf", share, not gpu_bytes,
-                 rows), None
-
-
 def check(args, trainer_file, device):
     """Print the plan at the start of a real-model run (the tiny model: only with --gpu-memory-gib) and refuse one
-    that does not fit: a peak above the GPU (--gpu-memory-gib, else the free memory of the CUDA device), or above
-    this machine's available memory (host_refusal: a CPU run, or the host column on a GPU)."""
-    from infra.tiny import is_tiny_model
-    if is_tiny_model(args.model) and not args.gpu_memory_gib:
-        return
+    that does not fit: a peak above the GPU (--gpu-memory-gib, else the free memory of the CUDA device), an auto vLLM
+    share whose KV cache holds less than one full-length sequence, or a plan above this machine's available memory
+    (host_refusal: a CPU run, or the host column on a GPU). Returns vLLM's share of the GPU for the engine:
+    --gpu-memory-utilization, or with 0 (auto) memory_plan.vllm_share's."""
     import torch
+
+    from infra.tiny import is_tiny_model
     free, total = torch.cuda.mem_get_info(device) if device.startswith("cuda") else (0, 0)
     limit, total = (args.gpu_memory_gib * GIB,) * 2 if args.gpu_memory_gib else (free, total)
+    shown = not is_tiny_model(args.model) or bool(args.gpu_memory_gib)
+    if not shown and (args.gpu_memory_utilization or not total):
+        return args.gpu_memory_utilization or FALLBACK_SHARE
     setup, why = setup_for(args, device, total)
     if setup is None:
-        return print(f"memory plan: skipped, {why}")
-    available = host_memory()[0]
-    target = f"{limit / GIB:.1f} GiB GPU" if limit else f"CPU, {available / GIB:.1f} GiB available"
-    rows = plan(setup)
-    print(table(rows, f"memory plan per {'GPU' if limit else 'process'}, {os.path.basename(trainer_file)}, "
-                      f"{setup.ranks} process{'es' * (setup.ranks > 1)}, {target}"))
+        if shown:
+            print(f"memory plan: skipped, {why}")
+        return args.gpu_memory_utilization or FALLBACK_SHARE
+    rows, available = plan(setup), host_memory()[0]
+    if shown:
+        target = f"{limit / GIB:.1f} GiB GPU" if limit else f"CPU, {available / GIB:.1f} GiB available"
+        print(table(rows, f"memory plan per {'GPU' if limit else 'process'}, {os.path.basename(trainer_file)}, "
+                          f"{setup.ranks} process{'es' * (setup.ranks > 1)}, {target}"))
     if limit and peak(rows) > limit:
         found = fitting_flags(setup, limit)
         source = "--gpu-memory-gib" if args.gpu_memory_gib else f"free on {device}"
@@ -272,11 +107,31 @@ def check(args, trainer_file, device):
             "no mix of more ranks, --offload-optimizer, a smaller --micro-batch-tokens or --critic-model fits")
         raise UserError(f"the memory plan needs {peak(rows) / GIB:.1f} GiB per GPU, more than the {limit / GIB:.1f} "
                         f"GiB {source}: {advice}")
-    if limit and not device.startswith("cuda"):  # --gpu-memory-gib off a GPU: a plan for another machine
-        return
+    auto = bool(total) and setup.engine == "vllm" and not args.gpu_memory_utilization
+    if auto:
+        check_share(setup, total, shown)
+    share = args.gpu_memory_utilization or (setup.engine_bytes / total if auto else FALLBACK_SHARE)
+    if not shown or limit and not device.startswith("cuda"):  # --gpu-memory-gib off a GPU: a plan for another GPU
+        return share
     refusal = host_refusal(setup, available, not limit, int(os.environ.get("LOCAL_WORLD_SIZE", setup.ranks)))
     if refusal:
         raise UserError(refusal)
+    return share
+
+
+def check_share(setup, gpu_bytes, shown=True):
+    """Refuse (one line, naming the numbers) an auto vLLM share whose KV cache holds less than one full-length
+    sequence; else print (when `shown`) the share and the sequences its KV cache holds."""
+    share, kv = vllm_share(setup, gpu_bytes)
+    need = setup.models[0][1].kv_bytes(setup.sequence)
+    if kv < need:
+        raise UserError(f"the memory plan leaves vLLM {max(share, 0):.2f} of the {gpu_bytes / GIB:.1f} GiB GPU, a KV "
+                        f"cache of {max(kv, 0) / GIB:.1f} GiB, less than one {setup.sequence:,}-token sequence needs "
+                        f"({need / GIB:.2f} GiB): use more ranks (torchrun), --offload-optimizer or a smaller "
+                        "--max-response-tokens, or give --gpu-memory-utilization")
+    if shown:
+        print(f"vLLM share: {share:.2f} of the GPU (--gpu-memory-utilization 0: auto), a KV cache of {kv / GIB:.1f} "
+              f"GiB, {int(kv // need)} sequences of {setup.sequence:,} tokens")
 
 
 def host_refusal(setup, available, cpu, ranks_here=1):
@@ -294,40 +149,40 @@ def host_refusal(setup, available, cpu, ranks_here=1):
            f"{available / GIB:.1f} GiB available: {advice}"
 
 
-def gpus_needed(method, shape, offload, tokens, gpu_gib=80, utilization=0.3, sequence=PROMPT_TOKENS + 8192, rows=0):
-    """(fewest ranks of 1, 2, 4 ... 64 that fit GPUs of gpu_gib, host bytes per rank) or (None, 0); else defaults.
-    rows: sequences per micro-batch (0: packed by tokens)."""
-    knobs = trainer_defaults(method)  # a critic: --critic-model; a reference: a published --kl-coef > 0 (spo)
-    models = [("policy", shape, 0, True)] + [("critic", shape, 1, True)] * ("critic_model" in knobs) + \
-        [("reference", shape, 0, False)] * (knobs.get("kl_coef", 0) > 0)
+def gpus_needed(method, shape, offload=False, gpu_gib=80, tokens=0, utilization=None, rows=0):
+    """(fewest ranks of 1, 2, 4 ... 64 whose plan fits GPUs of gpu_gib, host bytes per rank) or (None, 0) for the
+    method's defaults (its models and --max-response-tokens; RunArgs' micro-batch and vLLM share) with the changes
+    given: tokens per micro-batch, or `rows` sequences of the longest length; a vLLM share (0: auto)."""
+    knobs, run = trainer_defaults(method), RunArgs()  # a critic: --critic-model; a reference: --kl-coef > 0 (spo)
+    models = ((("policy", shape, 0, True),) + (("critic", shape, 1, True),) * ("critic_model" in knobs) +
+              (("reference", shape, 0, False),) * (knobs.get("kl_coef", 0) > 0))
+    sequence = PROMPT_TOKENS + knobs.get("max_response_tokens", 8192)
+    tokens = rows * sequence if rows else tokens or max(run.micro_batch_tokens, sequence)
+    utilization, gpu = run.gpu_memory_utilization if utilization is None else utilization, gpu_gib * GIB
     for ranks in (1, 2, 4, 8, 16, 32, 64):
-        lines = plan(Setup(tuple(models), ranks, offload, tokens, sequence, engine_bytes=utilization * gpu_gib * GIB,
-                           rows=rows))
-        if peak(lines) <= gpu_gib * GIB:
+        setup = Setup(models, ranks, offload, tokens, sequence, rows=rows)
+        share, kv = (utilization, gpu) if utilization else vllm_share(setup, gpu)
+        lines = plan(dataclasses.replace(setup, engine_bytes=share * gpu))
+        if kv >= shape.kv_bytes(sequence) and peak(lines) <= gpu:
             return ranks, sum(line[4] for line in lines)
     return None, 0
 
 
-def scaling_table(gpu_gib=80, budgets=(16384, 8 * (PROMPT_TOKENS + 8192))):
-    """Markdown: per method and Qwen3 size, GPUs needed at each micro-batch token budget, without and with offload;
-    the last budget is the default micro-batch of 8 sequences."""
-    lines = ["| method | model | " + " | ".join(f"{t:,} tokens: {gpu_gib:g} GiB GPUs | offloaded: GPUs (host per GPU)"
-                                              for t in budgets) + " |", "|---|---|" + "---:|---:|" * len(budgets)]
+def scaling_table(gpu_gib=80):
+    """Markdown: per method and Qwen3 size, the GPUs of gpu_gib needed at the defaults (what a run gets without
+    flags) and with micro-batches of 8 full-length sequences and vLLM at 0.3 (the defaults before issue 39), each
+    without and with --offload-optimizer (then the host memory per GPU)."""
+    settings = (("at the defaults", {}), ("8 sequences per micro-batch, vLLM 0.3", dict(rows=8, utilization=0.3)))
+    lines = ["| method | model | " + " | ".join(f"{name}: {gpu_gib:g} GiB GPUs | offloaded: GPUs (host per GPU)"
+                                              for name, _ in settings) + " |", "|---|---|" + "---:|---:|" * 2]
     for method, name in itertools.product(trainers(), ("0.6B", "4B", "8B")):  # every trainer file, forks too
         cells = []
-        for tokens in budgets:
-            rows = 8 if tokens == budgets[-1] else 0
-            plain, (offloaded, host) = (gpus_needed(method, Shape(*QWEN3["Qwen3-" + name]), offload, tokens, gpu_gib,
-                                                    rows=rows) for offload in (False, True))
+        for _, changes in settings:
+            plain, (offloaded, host) = (gpus_needed(method, Shape(*QWEN3["Qwen3-" + name]), offload, gpu_gib,
+                                                    **changes) for offload in (False, True))
             cells += [f"{plain[0] or '> 64'}", f"{offloaded} ({host / GIB:.0f} GiB)" if offloaded else "> 64"]
         lines.append(f"| `{method}.py` | Qwen3-{name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":  # python -m infra.memory --table [--gpu-memory-gib 80]
-    if sys.argv[1:2] != ["--table"]:
-        sys.exit("usage: python -m infra.memory --table [--gpu-memory-gib G]")
-    print(scaling_table(float(sys.argv[3]) if sys.argv[2:3] == ["--gpu-memory-gib"] else 80))
 
 
 def keep_freed_host_memory():
@@ -342,3 +197,9 @@ def keep_freed_host_memory():
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's mallopt parameters (malloc.h)
     return bool(libc.mallopt(m_mmap_threshold, GIB)) and bool(libc.mallopt(m_trim_threshold, 2 ** 31 - 1))
+
+
+if __name__ == "__main__":  # python -m infra.memory --table [--gpu-memory-gib 80]
+    if sys.argv[1:2] != ["--table"]:
+        sys.exit("usage: python -m infra.memory --table [--gpu-memory-gib G]")
+    print(scaling_table(float(sys.argv[3]) if sys.argv[2:3] == ["--gpu-memory-gib"] else 80))

@@ -298,7 +298,7 @@ def test_generated_eos_gets_gradient_and_padding_none(tiny, same_pad_and_eos):
         output.retain_grad()
         captured.append(output)
 
-    hook = model.get_output_embeddings().register_forward_hook(keep_logits)
+    hook = model.model.norm.register_forward_hook(keep_logits)  # the LM head runs a vocabulary slice at a time
     try:
         logprobs = common.response_logprobs(model, batch)
     finally:
@@ -307,9 +307,8 @@ def test_generated_eos_gets_gradient_and_padding_none(tiny, same_pad_and_eos):
     loss, _ = grpo.policy_loss(logprobs, logprobs.detach(), advantages, batch.response_mask)
     loss.backward()
     model.zero_grad(set_to_none=True)
-    logits_grad = captured[0].grad  # [2, T + 1, V]: column t predicts response token t
-    assert logits_grad.shape[1] == batch.response_width + 1
-    row_norms = logits_grad.abs().sum(-1)
+    hidden_grad = captured[0].grad[:, -batch.response_width - 1:]  # [2, T + 1, d]: column t predicts token t
+    row_norms = hidden_grad.abs().sum(-1)
     assert row_norms[0, n - 1] > 0  # the EOS of the short response
     assert row_norms[1, len(long) - 1] > 0  # the EOS of the long one
     assert torch.all(row_norms[0, n:] == 0)  # padding after the short response, and the unused last column
@@ -342,12 +341,15 @@ def test_grpo_args_tiny_preset_and_published_defaults():
     assert (tiny.model, tiny.steps, tiny.lr, tiny.eval_n, tiny.eval_temperature) == ("tiny", 30, 3e-5, 1, 0.0)
     assert (tiny.prompts_per_step, tiny.samples_per_prompt, tiny.mini_batches) == (64, 8, 2)  # the published rollout
     real = infra.cli.parse_args(grpo.Args, grpo.TINY_PRESET, ["--model", "Qwen3-4B-Base"])
-    # published settings (METHODS.md): 64 prompts x 8 samples, lr 1e-6, clip 0.2/0.2, 2 steps per rollout, 8192
+    # SP3O's released `grpo` preset (docs/methods.md): 64 prompts x 8 samples, lr 1e-6 with weight decay 0.1 and
+    # betas 0.9/0.98, clip 0.2/0.2, 2 steps per rollout, 8192 tokens, no KL, slime's per-sample mean
     assert (real.steps, real.prompts_per_step, real.samples_per_prompt, real.lr) == (500, 64, 8, 1e-6)
     assert (real.clip_low, real.clip_high, real.mini_batches, real.max_response_tokens) == (0.2, 0.2, 2, 8192)
-    assert (real.temperature, real.grad_clip, real.kl_coef, real.aggregation) == (1.0, 1.0, 0.0, "token-mean")
+    assert (real.temperature, real.grad_clip, real.kl_coef, real.aggregation) == (1.0, 1.0, 0.0, "seq-mean")
+    assert (real.weight_decay, real.adam_betas, real.advantage_scale) == (0.1, (0.9, 0.98), "group")
     assert (real.truncated_is, real.tis_cap, real.gradient_checkpointing, real.micro_batch_tokens) == \
-        ("auto", 2.0, True, 0)
+        ("auto", 2.0, True, 16384)  # a real model packs micro-batches by tokens (issue 39); the demo by 16 rows
+    assert (tiny.micro_batch_tokens, tiny.micro_batch_size) == (0, 16)
     assert tiny.gradient_checkpointing is False  # the tiny demo needs no activation memory savings
 
 

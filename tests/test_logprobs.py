@@ -1,5 +1,6 @@
-"""Per-token log-probs (common.token_logprobs, response_logprobs, engine_logprobs) and token-budget micro-batches
+"""Per-token log-probs (common.head_logprobs, response_logprobs, engine_logprobs) and token-budget micro-batches
 (common.token_budget_chunks, micro_batches, batched)."""
+import functools
 import math
 import random
 
@@ -17,102 +18,154 @@ def naive_logprobs(logits, tokens, temperature=1.0):
 
 
 # ------------------------------------------------------------------------------------------------
-# token_logprobs: values and gradients
+# head_logprobs: log softmax(h W^T / tau)[y], the vocabulary a slice at a time; values and gradients
 # ------------------------------------------------------------------------------------------------
-def test_token_logprobs_hand_computed():
-    # z = [0, 0, ln 2]: exp(z) = 1, 1, 2, sum 4 -> log p = ln 1/4, ln 1/4, ln 1/2.
+def test_head_logprobs_hand_computed():
+    # W = I: the logits are the hidden states. z = [0, 0, ln 2]: exp(z) = 1, 1, 2, sum 4 -> log p = ln 1/4, ln 1/2.
     # z / 0.5 = [0, 0, 2 ln 2]: exp = 1, 1, 4, sum 6 -> log p_2 = ln 4/6 = ln 2/3, log p_0 = ln 1/6.
-    logits = torch.tensor([[0.0, 0.0, LN2], [0.0, 0.0, LN2]])
+    hidden, identity = torch.tensor([[0.0, 0.0, LN2], [0.0, 0.0, LN2]]), torch.eye(3)
     tokens = torch.tensor([2, 0])
-    assert torch.allclose(common.token_logprobs(logits, tokens), torch.tensor([math.log(0.5), math.log(0.25)]))
-    assert torch.allclose(common.token_logprobs(logits, tokens, temperature=0.5),
+    assert torch.allclose(common.head_logprobs(hidden, identity, tokens), torch.tensor([math.log(0.5), math.log(0.25)]))
+    assert torch.allclose(common.head_logprobs(hidden, identity, tokens, temperature=0.5),
                           torch.tensor([math.log(2 / 3), math.log(1 / 6)]))
 
 
-def test_token_logprobs_gradient_hand_computed():
-    # d log p_y / d z_j = (1[j = y] - p_j) / T.
-    # T = 1, y = 2, p = (1/4, 1/4, 1/2): (-1/4, -1/4, 1/2).
-    # T = 0.5, y = 0, p = (1/6, 1/6, 2/3): (5/6, -1/6, -2/3) / 0.5 = (5/3, -1/3, -4/3).
-    logits = torch.tensor([[0.0, 0.0, LN2]], requires_grad=True)
-    common.token_logprobs(logits, torch.tensor([2])).sum().backward()
-    assert torch.allclose(logits.grad, torch.tensor([[-0.25, -0.25, 0.5]]))
-    logits.grad = None
-    common.token_logprobs(logits, torch.tensor([0]), temperature=0.5).sum().backward()
-    assert torch.allclose(logits.grad, torch.tensor([[5 / 3, -1 / 3, -4 / 3]]))
+def test_head_logprobs_gradients_hand_computed():
+    # d log p_y / d z_j = (1[j = y] - p_j) / T; with z = h W^T: dh = dz W, dW = dz^T h.
+    # T = 1, y = 2, p = (1/4, 1/4, 1/2): dz = (-1/4, -1/4, 1/2); W = I: dh = dz; h = [0, 0, ln 2]: dW = dz^T h, whose
+    # last column is ln 2 x dz and the others 0.
+    # T = 0.5, y = 0, p = (1/6, 1/6, 2/3): dz = (5/6, -1/6, -2/3) / 0.5 = (5/3, -1/3, -4/3).
+    hidden = torch.tensor([[0.0, 0.0, LN2]], requires_grad=True)
+    identity = torch.eye(3, requires_grad=True)
+    common.head_logprobs(hidden, identity, torch.tensor([2])).sum().backward()
+    dz = torch.tensor([[-0.25, -0.25, 0.5]])
+    assert torch.allclose(hidden.grad, dz)
+    assert torch.allclose(identity.grad, torch.cat([torch.zeros(3, 2), LN2 * dz.T], 1))
+    hidden.grad = None
+    common.head_logprobs(hidden, identity, torch.tensor([0]), temperature=0.5).sum().backward()
+    assert torch.allclose(hidden.grad, torch.tensor([[5 / 3, -1 / 3, -4 / 3]]))
 
 
-@pytest.mark.parametrize("chunk_elements", [1, 22, 10 ** 6])  # one row per chunk, 2 rows (11 chunks), one chunk
+@pytest.mark.parametrize("chunk_elements", [1, 10 ** 7])  # 256-column slices (4, the last 232 wide), or one slice
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_token_logprobs_match_naive_across_chunks(chunk_elements, temperature):
+def test_head_logprobs_match_whole_logits_across_slices(chunk_elements, temperature):
     torch.manual_seed(0)
-    logits = (torch.randn(3, 7, 11, dtype=torch.float64) * 3).requires_grad_()
-    tokens = torch.randint(0, 11, (3, 7))
-    upstream = torch.randn(3, 7, dtype=torch.float64)
-    ours = common.token_logprobs(logits, tokens, temperature, chunk_elements=chunk_elements)
-    (our_grad,) = torch.autograd.grad((ours * upstream).sum(), logits)
-    reference = naive_logprobs(logits, tokens, temperature)
-    (reference_grad,) = torch.autograd.grad((reference * upstream).sum(), logits)
+    hidden = torch.randn(3, 7, 16, requires_grad=True)
+    weight = (torch.randn(1000, 16) / 2).requires_grad_()
+    tokens = torch.randint(0, 1000, (3, 7))
+    tokens[0, :4] = torch.tensor([0, 255, 256, 999])  # a slice's first and last columns
+    upstream = torch.randn(3, 7)
+    ours = common.head_logprobs(hidden, weight, tokens, temperature, chunk_elements=chunk_elements)
+    our_grads = torch.autograd.grad((ours * upstream).sum(), (hidden, weight))
+    reference = naive_logprobs(hidden @ weight.T, tokens, temperature)
+    reference_grads = torch.autograd.grad((reference * upstream).sum(), (hidden, weight))
     assert ours.dtype == torch.float32 and ours.shape == (3, 7)
     assert torch.allclose(ours.double(), reference, atol=1e-5)
-    assert torch.allclose(our_grad, reference_grad, atol=1e-6)
+    for mine, theirs in zip(our_grads, reference_grads):
+        assert mine.dtype == torch.float32 and torch.allclose(mine.double(), theirs.double(), atol=1e-5)
 
 
-def test_token_logprobs_bfloat16_logits():
+def test_head_logprobs_in_bfloat16_as_autocast_runs_the_head():
+    # dtype bfloat16 over float32 hidden states and weights: the logits are autocast's bf16 matmul, softmax in float32
     torch.manual_seed(0)
-    logits = (torch.randn(5, 13) * 4).to(torch.bfloat16).requires_grad_()
-    tokens = torch.randint(0, 13, (5,))
-    ours = common.token_logprobs(logits, tokens)
-    assert ours.dtype == torch.float32  # computed in float32 from the bfloat16 values
-    assert torch.allclose(ours.double(), naive_logprobs(logits.detach(), tokens), atol=1e-5)
+    hidden, weight = torch.randn(5, 32, requires_grad=True), torch.randn(300, 32, requires_grad=True)
+    tokens = torch.randint(0, 300, (5,))
+    ours = common.head_logprobs(hidden, weight, tokens, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = torch.nn.functional.linear(hidden, weight)
+    assert logits.dtype == torch.bfloat16 and ours.dtype == torch.float32
+    assert torch.allclose(ours.double(), naive_logprobs(logits.detach().float(), tokens), atol=1e-5)
     ours.sum().backward()
-    assert logits.grad.dtype == torch.bfloat16
+    assert hidden.grad.dtype == weight.grad.dtype == torch.float32  # the parameters' own dtype
 
 
-def test_token_logprobs_minus_inf_entries():
-    # Processed generate scores mark top-p-filtered tokens -inf: row [-inf, 0, 0] -> log p_1 = ln 1/2.
-    scores = torch.tensor([[-math.inf, 0.0, 0.0]])
-    assert torch.allclose(common.token_logprobs(scores, torch.tensor([1])), torch.tensor([-LN2]))
+def test_head_logprobs_keep_no_vocabulary_sized_tensor():
+    # Saved for backward: the hidden states, the weight itself, the tokens and one logsumexp per position; made in
+    # the forward and backward passes: slices of at most 256 vocabulary columns here, never [N, V] logits.
+    from torch.utils._python_dispatch import TorchDispatchMode
+    hidden, weight = torch.randn(12, 8, requires_grad=True), torch.randn(1000, 8, requires_grad=True)
+    tokens = torch.randint(0, 1000, (12,))
+    saved, widths = [], []
+
+    class Shapes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            widths.extend(t.shape[-1] for t in (out if isinstance(out, (tuple, list)) else [out])
+                          if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] == 12)
+            return out
+
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t), Shapes():
+        common.head_logprobs(hidden, weight, tokens, chunk_elements=1).sum().backward()
+    assert sorted(tuple(t.shape) for t in saved) == [(12,), (12,), (12, 8), (1000, 8)]
+    assert any(saved_tensor is weight for saved_tensor in saved)  # the parameter itself, not a copy
+    assert max(widths) == 256 and 1000 not in widths
 
 
-def test_token_logprobs_non_contiguous_logits():
-    torch.manual_seed(0)
-    wide = torch.randn(4, 6, 20)
-    logits = wide[:, :, ::2]  # a strided view
-    tokens = torch.randint(0, 10, (4, 6))
-    assert torch.allclose(common.token_logprobs(logits, tokens).double(), naive_logprobs(logits, tokens), atol=1e-5)
-
-
-def test_token_logprobs_save_no_float32_copy_for_backward():
-    # The naive path saves a float32 [N, V] log-softmax for backward; ours saves only the (bfloat16) logits,
-    # the tokens and one logsumexp per row.
-    logits = torch.randn(8, 50).to(torch.bfloat16).requires_grad_()
-    tokens = torch.randint(0, 50, (8,))
-    saved = []
-
-    def pack(tensor):
-        saved.append((tensor.dtype, tensor.numel()))
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        common.token_logprobs(logits, tokens)
-    assert (torch.float32, 8 * 50) not in saved
-    assert (torch.bfloat16, 8 * 50) in saved
-    saved.clear()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        naive_logprobs(logits.float(), tokens)  # sanity: the hook does see the naive copy
-    assert any(numel == 8 * 50 and dtype != torch.bfloat16 for dtype, numel in saved)
-
-
-def test_token_logprobs_empty():
-    assert common.token_logprobs(torch.zeros(0, 7), torch.zeros(0, dtype=torch.long)).shape == (0,)
+def test_head_logprobs_empty():
+    assert common.head_logprobs(torch.zeros(0, 4), torch.zeros(7, 4), torch.zeros(0, dtype=torch.long)).shape == (0,)
 
 
 # ------------------------------------------------------------------------------------------------
-# response_logprobs on the tiny model; generator log-probs against the trainer's
+# response_logprobs against whole logits (the path before: model logits, then log-softmax)
 # ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny():
     return common.load_model("tiny", "float32", "cpu")
+
+
+def random_qwen3(tied, vocab=1000):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                        tie_word_embeddings=tied))
+    model.compute_dtype = torch.float32
+    return model
+
+
+def whole_logits_logprobs(model, batch, temperature):
+    logits = model(**batch.model_inputs()).logits[:, -batch.response_width - 1:-1]
+    return naive_logprobs(logits, batch.response_ids, temperature)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_response_logprobs_equal_whole_logits_values_and_gradients(tied, temperature, monkeypatch):
+    """Float32, a tied and an untied head, the vocabulary in 4 slices of at most 256 columns, padded
+    rows (responses of 4, 1, 0 and 3 tokens; prompts of 3, 3, 2, 4) and two rows sharing a prompt: values and every
+    parameter's gradient (the head's and a tied embedding's included) within 1e-5 of whole logits."""
+    model = random_qwen3(tied)
+    monkeypatch.setattr(common, "head_logprobs", functools.partial(common.head_logprobs, chunk_elements=1))
+    batch = common.sequence_batch([[5, 6, 7], [5, 6, 7], [8, 9], [1, 2, 3, 4]],
+                                  [[10, 11, 12, 13], [14], [], [15, 16, 2]], pad_id=0)
+    upstream, mask = torch.randn(batch.response_ids.shape), batch.response_mask
+    gradients, values = [], []
+    for function in (lambda: common.response_logprobs(model, batch, temperature),
+                     lambda: whole_logits_logprobs(model, batch, temperature)):
+        model.zero_grad()
+        out = function()
+        (out * upstream * mask).sum().backward()
+        values.append(out[mask].double())
+        gradients.append({name: parameter.grad.clone() for name, parameter in model.named_parameters()})
+    assert torch.allclose(values[0], values[1], atol=1e-5)
+    assert gradients[0].keys() == gradients[1].keys() and ("lm_head.weight" in gradients[0]) != tied
+    for name, reference in gradients[1].items():
+        assert torch.allclose(gradients[0][name].double(), reference.double(), atol=1e-5), name
+    with torch.no_grad():  # the old and reference log-probs' path
+        assert torch.allclose(common.response_logprobs(model, batch, temperature)[mask].double(), values[1], atol=1e-5)
+
+
+def test_response_logprobs_take_whole_logits_where_the_model_rescales_them(monkeypatch):
+    """A config that names a logit transform after the head (Gemma 2's final_logit_softcapping ...) takes the model's
+    own logits; the head is never bypassed there (Qwen3 ignores the field: the numbers must stay the same)."""
+    model = random_qwen3(True)
+    batch = common.sequence_batch([[5, 6, 7], [8, 9]], [[10, 11], [12]], pad_id=0)
+    fused = common.response_logprobs(model, batch, 0.8)
+    model.config.final_logit_softcapping = 30.0
+    swapped = []
+    monkeypatch.setattr(model, "set_output_embeddings", lambda head: swapped.append(head))
+    whole = common.response_logprobs(model, batch, 0.8)
+    assert swapped == [] and torch.allclose(fused, whole, atol=1e-5)
 
 
 def test_response_logprobs_match_naive_and_gradients(tiny):
@@ -128,6 +181,7 @@ def test_response_logprobs_match_naive_and_gradients(tiny):
     assert torch.allclose(ours[batch.response_mask], reference[batch.response_mask], atol=1e-5)
     assert torch.allclose(our_grad, model.model.norm.weight.grad, atol=1e-5)
     model.zero_grad()
+    assert isinstance(model.get_output_embeddings(), torch.nn.Linear)  # the head is back after the call
 
 
 def grouped_batch(tokenizer, prompt_lengths=(1, 5, 9, 3), samples=3, seed=0):
@@ -276,11 +330,20 @@ def test_engine_logprobs_pads_with_zero():
 # token_budget_chunks / micro_batches / batched
 # ------------------------------------------------------------------------------------------------
 def test_token_budget_chunks_hand_computed():
-    # Longest first: 0 (5), 2 (4), 4 (3), 1 (2), 3 (1); budget 8 tokens = rows x longest.
-    # [0]: adding 2 gives 2 x 5 = 10 > 8 -> close. [2, 4]: 2 x 4 = 8; adding 1 gives 3 x 4 = 12 -> close.
-    # [1, 3]: 2 x 2 = 4.
+    # Longest first: 0 (5), 2 (4), 4 (3), 1 (2), 3 (1); budget 8 tokens = rows x longest. Each micro-batch costs
+    # 512 tokens more: the fewest micro-batches win. 0 and 2 cannot share (2 x 5 = 10 > 8), nor 2, 4 and 1
+    # (3 x 4 = 12), so three at least: [0], [2, 4] (2 x 4 = 8), [1, 3] (2 x 2 = 4) is the only such split.
     lengths = {0: 5, 1: 2, 2: 4, 3: 1, 4: 3}
     assert common.token_budget_chunks([0, 1, 2, 3, 4], lengths, 8) == [[0], [2, 4], [1, 3]]
+    # without the cost per micro-batch, every row alone computes no padding: 15 tokens, the least
+    assert common.token_budget_chunks([0, 1, 2, 3, 4], lengths, 8, overhead=0) == [[0], [2], [4], [1], [3]]
+
+
+def test_token_budget_chunks_cut_where_padding_is_least():
+    # Lengths 8, 5, 5, 4, 4, 4, budget 16, each micro-batch costing 2 tokens more. Filling each micro-batch in turn
+    # gives [8, 5] (2 x 8 = 16), [5, 4, 4] (15), [4] (4): 35 tokens + 3 x 2 = 41. Cutting between unequal lengths,
+    # [8], [5, 5], [4, 4, 4]: 8 + 10 + 12 = 30 tokens, no padding, + 3 x 2 = 36, the least.
+    assert common.token_budget_chunks(list(range(6)), [8, 5, 5, 4, 4, 4], 16, overhead=2) == [[0], [1, 2], [3, 4, 5]]
 
 
 def test_token_budget_chunks_row_over_budget_goes_alone():
@@ -288,12 +351,13 @@ def test_token_budget_chunks_row_over_budget_goes_alone():
 
 
 def test_token_budget_chunks_prompt_response_pairs():
-    # Pairs (prompt, response): the width is longest prompt + longest response. All three rows have 6 tokens.
-    # Budget 12: [0] (5, 1); with 1 the width is (5, 5) = 10, 2 x 10 = 20 -> close; [1] (1, 5); with 2 (3, 5) = 8,
-    # 2 x 8 = 16 -> close; [2]. Budget 16: the second pair fits.
+    # Pairs (prompt, response): the width is longest prompt + longest response. All three rows have 6 tokens; the
+    # order is by response, longest first: 1 (1, 5), 2 (3, 3), 0 (5, 1). Budget 12: [1, 2] is 2 x (3 + 5) = 16 and
+    # [2, 0] 2 x (5 + 3) = 16: each alone. Budget 16: [1, 2] + [0] and [1] + [2, 0] both compute 22 tokens in two
+    # micro-batches; the first split found stays.
     lengths = [(5, 1), (1, 5), (3, 3)]
-    assert common.token_budget_chunks([0, 1, 2], lengths, 12) == [[0], [1], [2]]
-    assert common.token_budget_chunks([0, 1, 2], lengths, 16) == [[0], [1, 2]]
+    assert common.token_budget_chunks([0, 1, 2], lengths, 12) == [[1], [2], [0]]
+    assert common.token_budget_chunks([0, 1, 2], lengths, 16) == [[1, 2], [0]]
 
 
 def test_token_budget_chunks_bound_the_selected_batch():
@@ -307,8 +371,8 @@ def test_token_budget_chunks_bound_the_selected_batch():
         assert sorted(i for group in groups for i in group) == rows
         for group in groups:
             assert len(group) == 1 or batch.select(group).input_ids.numel() <= budget
-        totals = [sum(batch.lengths()[i]) for group in groups for i in group]
-        assert totals == sorted(totals, reverse=True)
+        responses = [batch.lengths()[i][1] for group in groups for i in group]
+        assert responses == sorted(responses, reverse=True)  # longest response first
 
 
 def test_micro_batches_by_count_or_by_budget():

@@ -63,18 +63,21 @@ def test_plan_qwen3_06b_grpo_on_one_gpu():
     assert rows["weights"] == (4 * p, 4 * p, 0) == (2_384_199_680,) * 2 + (0,)  # float32
     assert rows["gradients"] == (2_384_199_680, 0, 0)  # float32; none between updates (zero_grad(set_to_none))
     assert rows["AdamW states"] == (4_768_399_360, 4_768_399_360, 0)  # 2 float32 moments
-    # autocast's bf16 casts: 28 layers 440,466,432 + the tied embedding as LM head 155,582,464, x 2 bytes
-    assert rows["compute copies"] == (1_192_097_792, 0, 0)
+    # autocast's bf16 casts of the 28 layers' 440,466,432 parameters, x 2 bytes (the LM head: a slice at a time)
+    assert rows["compute copies"] == (880_932_864, 0, 0)
     # per token and layer saved: 16 x 1024 + 2 x 2 x 1024 + 8 x (2048 + 1024) + 5 x 2 x 2048 + 4 x 2 x 3072
     #   = 16,384 + 4,096 + 24,576 + 20,480 + 24,576 = 90,112 bytes; checkpointed: 28 float32 layer inputs
     #   (28 x 4 x 1024 = 114,688) + one layer recomputed; x 16,384 tokens = 3,355,443,200, + mask 16,384 x 9,216
     assert rows["activations"] == (3_355_443_200 + 150_994_944, 0, 0)
-    assert rows["logits"] == (2 * 2 * 16384 * 151936, 0, 0) == (9_957_277_696, 0, 0)  # bf16 logits + gradient
+    # the LM head over 16,384 positions a slice of 2**24 / 16,384 = 1,024 vocabulary columns at a time: the slice's
+    # float32 logits and a temporary as large (8 bytes), the hidden states' casts and gradient (8 x 1024 per position)
+    assert rows["logits"] == (8 * 16384 * (1024 + 1024), 0, 0) == (268_435_456, 0, 0)  # whole logits: 9.96 GB
+    assert rows["grad buffers"] == (2 * 4 * 151936 * 1024, 0, 0)  # the tied head's and the embedding's, float32
     assert rows["engine"] == (0, 0.3 * 80 * GIB, 2 * p)  # asleep in the update; its bf16 weights on the host
-    update = 2 * 2_384_199_680 + 4_768_399_360 + 1_192_097_792 + 3_506_438_144 + 9_957_277_696 + GIB
+    update = 2 * 2_384_199_680 + 4_768_399_360 + 880_932_864 + 3_506_438_144 + 268_435_456 + 1_244_659_712 + GIB
     rollout = 2_384_199_680 + 4_768_399_360 + 24 * GIB + GIB
-    assert (update, rollout) == (25_266_354_176, 33_996_144_640)  # 23.5 and 31.7 GiB: the rollout is the peak
-    assert memory.peak(memory.plan(setup)) == rollout
+    assert (update, rollout) == (16_511_006_720, 33_996_144_640)  # 15.4 and 31.7 GiB: the rollout is the peak
+    assert sum(row[2] for row in memory.plan(setup)) == update and memory.peak(memory.plan(setup)) == rollout
 
 
 def test_plan_qwen3_4b_sp3o_in_one_process():
@@ -86,19 +89,21 @@ def test_plan_qwen3_4b_sp3o_in_one_process():
     both = 4_022_468_096 + 4_022_470_657  # 8,044,938,753 parameters
     assert rows["weights"][0] == rows["gradients"][0] == 4 * both == 32_179_755_012
     assert rows["AdamW states"][0] == 8 * both == 64_359_510_024  # 128.7 GB of float32 state before activations
-    # the policy's pass is the larger: bf16 casts of 36 layers (3,633,509,376) + the tied head (388,956,160), x 2
-    assert rows["compute copies"][0] == 8_044_931_072
+    # the policy's pass is the larger: bf16 casts of 36 layers (3,633,509,376 parameters), x 2
+    assert rows["compute copies"][0] == 7_267_018_752
     # per token: 36 x 4 x 2560 = 368,640 (checkpointed float32 inputs) + one layer: 16 x 2560 + 2 x 2 x 2560
     #   + 8 x (4096 + 1024) + 5 x 2 x 4096 + 4 x 2 x 9728 = 40,960 + 10,240 + 40,960 + 40,960 + 77,824 = 210,944
     #   -> 579,584 x 73,728 = 42,731,569,152, + mask 73,728 x 9,216 = 679,477,248
     assert rows["activations"][0] == 43_411_046_400
-    # bf16 logits and gradient over the 8 responses' 8,192 + 1 columns (the prompts' columns are never computed)
-    assert rows["logits"][0] == 4 * 8 * 8193 * 151936 == 39_833_972_736
+    # the LM head over the 8 responses' 8 x 8,192 = 65,536 positions (the prompts' columns are never computed), a
+    # slice of max(256, 2**24 / 65,536) = 256 columns at a time: 8 x 65,536 x (256 + 2560); whole bf16 logits and
+    # their gradient were 4 x 8 x 8,193 x 151,936 = 39,833,972,736
+    assert rows["logits"][0] == 1_476_395_008
     # the tied embedding's two float32 gradients (its LM head's, then its own) before accumulation: 8 x V x h
     assert rows["grad buffers"][0] == 8 * 151936 * 2560 == 3_111_649_280
-    update = 2 * 32_179_755_012 + 64_359_510_024 + 8_044_931_072 + 43_411_046_400 + 39_833_972_736 \
+    update = 2 * 32_179_755_012 + 64_359_510_024 + 7_267_018_752 + 43_411_046_400 + 1_476_395_008 \
         + 3_111_649_280 + GIB
-    assert memory.peak(memory.plan(setup)) == update == 224_194_361_360  # 208.8 GiB
+    assert memory.peak(memory.plan(setup)) == update == 185_058_871_312  # 172.3 GiB
     assert rows["weights"][1] + rows["AdamW states"][1] + 25 * GIB == pytest.approx(114.909 * GIB, rel=1e-5)
 
 
@@ -116,16 +121,18 @@ def test_plan_qwen3_8b_ppo_on_eight_ranks_with_and_without_offload():
     # under FSDP the residual stream is bf16: 36 x 2 x 4096 = 294,912; one layer: 16 x 4096 + 2 x 2 x 4096
     #   + 8 x 5120 + 5 x 2 x 4096 + 4 x 2 x 12288 = 65,536 + 16,384 + 40,960 + 40,960 + 98,304 = 262,144
     assert rows["activations"][0] == 16384 * (294_912 + 262_144) + 16384 * 9216 == 9_277_800_448
-    assert rows["logits"][0] == 4 * 16384 * 151936
-    update = 2 * 7_879_572_480.5 + 15_759_144_961 + 4_418_791_936 + 9_277_800_448 + 9_957_277_696 + GIB
-    assert memory.peak(memory.plan(Setup(models, ranks=8, tokens=16384, sequence=9216, engine_bytes=24 * GIB))) \
-        == update  # 52.4 GiB: fits 80 GiB GPUs; 4 ranks do not (the README's table)
+    assert rows["logits"][0] == 8 * 16384 * (1024 + 4096)  # slices of 1,024 columns; hidden 4,096
+    update = 2 * 7_879_572_480.5 + 15_759_144_961 + 4_418_791_936 + 9_277_800_448 + 671_088_640 + GIB
+    eight = memory.plan(Setup(models, ranks=8, tokens=16384, sequence=9216, engine_bytes=24 * GIB))
+    assert sum(row[2] for row in eight) == update == 46_959_712_770  # 43.7 GiB
+    rollout = 7_879_572_480.5 + 15_759_144_961 + 24 * GIB + GIB  # weights, AdamW states, vLLM's share, context
+    assert memory.peak(eight) == rollout == 50_482_263_041.5  # 47.0 GiB: fits 80 GiB GPUs
     offloaded = rows_of(Setup(models, ranks=8, offload=True, tokens=16384, sequence=9216, engine_bytes=24 * GIB))
     assert [offloaded[name][0] for name in ("weights", "gradients", "AdamW states")] == [0, 0, 0]
     assert offloaded["weights"][2] + offloaded["gradients"][2] + offloaded["AdamW states"][2] == 16 * both / 8
     assert offloaded["compute copies"] == rows["compute copies"] and offloaded["logits"] == rows["logits"]
     offloaded_plan = memory.plan(Setup(models, 8, True, 16384, 9216, engine_bytes=24 * GIB))
-    assert sum(row[2] for row in offloaded_plan) == 4_418_791_936 + 9_277_800_448 + 9_957_277_696 + GIB  # 23.0 GiB
+    assert sum(row[2] for row in offloaded_plan) == 4_418_791_936 + 9_277_800_448 + 671_088_640 + GIB  # 14.4 GiB
     assert memory.peak(offloaded_plan) == 24 * GIB + GIB  # the rollout (vLLM's share) is now the peak
 
 
@@ -158,10 +165,11 @@ def test_refusal_names_flags_that_fit():
     models = (("policy", QWEN3_4B, 0, True), ("critic", QWEN3_4B, 1, True))
     setup = Setup(models, tokens=73728, sequence=9216, engine_bytes=24 * GIB)
     found = memory.fitting_flags(setup, 80 * GIB)
-    assert found == ["torchrun --nnodes 2 --nproc-per-node 8", "--offload-optimizer",
-                     "torchrun --nproc-per-node 2 --micro-batch-tokens 16384"]
-    fits = [dict(ranks=16), dict(offload=True), dict(ranks=2, tokens=16384)]
-    too_little = [dict(ranks=8), dict(ranks=1, tokens=16384), dict(ranks=2, tokens=32768)]
+    assert found == ["torchrun --nproc-per-node 4", "--offload-optimizer",
+                     "torchrun --nproc-per-node 2 --micro-batch-tokens 32768",
+                     "torchrun --nproc-per-node 2 --critic-model Qwen3-1.7B-Base"]
+    fits = [dict(ranks=4), dict(offload=True), dict(ranks=2, tokens=32768)]
+    too_little = [dict(ranks=2), dict(ranks=1, tokens=16384), dict(ranks=2, tokens=65536)]
     for changes in fits:
         assert memory.peak(memory.plan(dataclasses.replace(setup, **changes))) <= 80 * GIB
     for changes in too_little:
@@ -180,11 +188,10 @@ def test_sp3o_with_a_4b_config_prints_the_plan_and_refuses_in_one_line(tmp_path)
                             timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 2, result.stderr[-2000:]
     assert "memory plan per GPU, sp3o.py, 1 process, 80.0 GiB GPU" in result.stdout
-    assert "policy 4.02B + critic 4.02B" in result.stdout and "208.8" in result.stdout
-    assert result.stderr.strip().splitlines() == [
-        "sp3o.py: error: the memory plan needs 208.8 GiB per GPU, more than the 80.0 GiB --gpu-memory-gib: it fits "
-        "with torchrun --nnodes 2 --nproc-per-node 8, or with --offload-optimizer, or with torchrun --nproc-per-node 2 "
-        "--micro-batch-tokens 16384, or with torchrun --nproc-per-node 8 --critic-model Qwen3-1.7B-Base"]
+    assert "policy 4.02B + critic 4.02B" in result.stdout and "140.0" in result.stdout
+    assert result.stderr.strip().splitlines() == [  # at the defaults: 16,384-token micro-batches, auto vLLM share
+        "sp3o.py: error: the memory plan needs 140.0 GiB per GPU, more than the 80.0 GiB --gpu-memory-gib: it fits "
+        "with torchrun --nproc-per-node 2, or with --offload-optimizer"]
     assert not os.path.exists(tmp_path / "runs")
 
 
@@ -282,20 +289,124 @@ def test_the_plan_table_keeps_every_label_in_120_columns():
     assert max(map(len, printed.splitlines())) <= 120
 
 
-def test_no_plan_for_the_tiny_demo_and_one_line_for_a_hub_model_not_on_disk(capsys, monkeypatch):
+def test_no_plan_for_the_tiny_demo(capsys):
     import sp3o
-    memory.check(infra.cli.parse_args(sp3o.Args, sp3o.TINY_PRESET, []), "sp3o.py", "cpu")
+    assert memory.check(infra.cli.parse_args(sp3o.Args, sp3o.TINY_PRESET, []), "sp3o.py", "cpu") == 0.3
     assert capsys.readouterr().out == ""  # the CPU demo prints no plan unless --gpu-memory-gib asks
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    memory.check(infra.cli.parse_args(sp3o.Args, None, ["--model", "Qwen3-NotOnDisk-Base"]), "sp3o.py", "cpu")
-    assert capsys.readouterr().out == "memory plan: skipped, no config.json of 'Qwen3-NotOnDisk-Base' on disk " \
-                                      "(a hub model not downloaded yet)\n"
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    """The hub replaced: a repository not in the local cache, reachable, whose config.json hf_hub_download fetches
+    (a Qwen3-4B config written to a snapshot folder); the files asked for are recorded."""
+    import huggingface_hub
+    import infra.hub
+    asked = []
+
+    def download(repo_id, filename, **kwargs):
+        asked.append((repo_id, filename))
+        return os.path.join(qwen3_4b_config(tmp_path / "snapshot"), filename)
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo_id, filename, **kwargs: None)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(infra.hub, "_unreachable", lambda endpoint: None)
+    return asked
+
+
+def test_a_hub_model_not_on_disk_fetches_its_config_alone_and_is_planned(hub, capsys):
+    import sp3o
+    assert memory.read_shape("someorg/Qwen3-Fetched-A") == (QWEN3_4B, None)
+    assert hub == [("someorg/Qwen3-Fetched-A", "config.json")]  # config.json alone, no weights
+    args = infra.cli.parse_args(sp3o.Args, None, ["--model", "someorg/Qwen3-Fetched-B", "--gpu-memory-gib", "80"])
+    with pytest.raises(infra.UserError, match="needs 140.0 GiB per GPU"):  # planned, not skipped
+        memory.check(args, "sp3o.py", "cpu")
+    assert "memory plan per GPU, sp3o.py" in capsys.readouterr().out and "skipped" not in capsys.readouterr().out
+
+
+def test_offline_without_a_cache_the_plan_refuses_in_check_model_sources_line(hub, monkeypatch):
+    import huggingface_hub
+    import sp3o
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    args = infra.cli.parse_args(sp3o.Args, None, ["--model", "Qwen3-NotOnDisk-Base"])
+    with pytest.raises(infra.UserError, match=r"--model 'Qwen3-NotOnDisk-Base': no such local folder, and not in the "
+                                              r"local Hugging Face cache .* while HF_HUB_OFFLINE=1"):
+        memory.check(args, "sp3o.py", "cpu")
+    assert hub == []
+
+
+def test_auto_vllm_share_by_hand():
+    """GRPO on Qwen3-0.6B, one 80 GiB GPU: in the rollout the trainer holds float32 weights 2,384,199,680 and AdamW
+    states 4,768,399,360 and 1 GiB of context: 8,226,340,864 of 85,899,345,920 bytes = 0.0958; 1 - 0.0958 - 0.05
+    margin = 0.854 -> 0.85. The KV cache: 0.85 x 80 GiB - vLLM's bf16 weights (2 x 596,049,920) - 2 GiB reserve
+    = 69,674,860,544 bytes; a 9,216-token sequence needs 9,216 x 2 x 28 layers x 8 KV heads x 128 x 2 bytes
+    = 1,056,964,608: 65 of them."""
+    setup = Setup((("policy", QWEN3_06B, 0, True),), tokens=16384, sequence=9216)
+    share, kv = memory.vllm_share(setup, 80 * GIB)
+    assert share == 0.85 and kv == pytest.approx(69_674_860_544)
+    assert QWEN3_06B.kv_bytes(9216) == 1_056_964_608
+    offloaded, _ = memory.vllm_share(dataclasses.replace(setup, offload=True), 80 * GIB)
+    assert offloaded == 0.9  # the trainer holds 1 GiB alone: 0.94 left, capped at vLLM's default 0.9
+    big = Setup((("policy", QWEN3_8B, 0, True), ("critic", QWEN3_8B, 1, True)), sequence=9216)
+    assert memory.vllm_share(big, 80 * GIB)[0] < 0  # 16-byte states of 15.8B parameters on one GPU: nothing left
+    with pytest.raises(infra.UserError) as refused:
+        memory.check_share(big, 80 * GIB)
+    assert str(refused.value).startswith("the memory plan leaves vLLM 0.00 of the 80.0 GiB GPU, a KV cache of 0.0 GiB, "
+                                         "less than one 9,216-token sequence needs (1.27 GiB)")  # 147,456 B a token
+
+
+def test_check_returns_the_share_the_engine_gets(tmp_path, capsys):
+    """--gpu-memory-utilization 0 (the default): the plan's share; a value given: that value."""
+    import grpo
+    directory = qwen3_4b_config(tmp_path / "qwen3-4b")
+    auto = infra.cli.parse_args(grpo.Args, None, ["--model", directory, "--gpu-memory-gib", "141", "--generator", "hf",
+                                                  "--max-response-tokens", "1024"])
+    assert memory.check(auto, "grpo.py", "cpu") == 0.3  # the HF engine: no vLLM share to size
+    auto.generator = "vllm"
+    share = memory.check(auto, "grpo.py", "cpu")
+    setup = memory.setup_for(auto, "cpu", 141 * GIB)[0]
+    assert share == memory.vllm_share(setup, 141 * GIB)[0] == pytest.approx(setup.engine_bytes / (141 * GIB))
+    assert f"vLLM share: {share:.2f} of the GPU (--gpu-memory-utilization 0: auto)" in capsys.readouterr().out
+    auto.gpu_memory_utilization = 0.4
+    assert memory.check(auto, "grpo.py", "cpu") == 0.4
+
+
+def test_the_hf_engines_cache_is_the_runs_own_batch(tmp_path, monkeypatch):
+    """Issue 40: the HF engine's KV cache is planned for the largest generate call of the run: the step's prompts x
+    samples (SPPO: 1 sample) or the evaluation's problems x eval_n (all problems: a full batch of 256), per rank, at
+    most 256 sequences a call (HFGenerator's batch_size), each of the prompt allowance + its response limit."""
+    import grpo
+    import sppo
+    directory = qwen3_4b_config(tmp_path / "qwen3-4b")
+
+    def generated(args_class, *flags):
+        args = infra.cli.parse_args(args_class, None, ["--model", directory, "--generator", "hf", *flags])
+        return memory.setup_for(args, "cpu", 0)[0].generated
+    small = ["--prompts-per-step", "4", "--samples-per-prompt", "8", "--max-response-tokens", "128"]
+    assert generated(grpo.Args, *small) == (32, 1024 + 128)
+    evaluation = ["--eval-datasets", "builtin", "--eval-problems", "16", "--eval-n", "2", "--eval-max-tokens", "64"]
+    assert generated(grpo.Args, *small, *evaluation) == (32, 1024 + 128)  # 32 x 1,152 > 32 x 1,088
+    assert generated(grpo.Args, *small, *evaluation[:-3], "4", "--eval-max-tokens", "512") == (64, 1024 + 512)
+    assert generated(grpo.Args, *small, "--eval-datasets", "builtin") == (256, 1024 + 8192)  # all problems
+    assert generated(sppo.Args, "--prompts-per-step", "40") == (40, 1024 + 8192)
+    assert generated(grpo.Args) == (256, 1024 + 8192)  # 64 x 8 = 512 sequences: two calls of 256
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert generated(grpo.Args, *small) == (16, 1024 + 128)  # each rank generates its share
+    engine = next(row for row in memory.plan(Setup((("policy", QWEN3_4B, 0, True),), sequence=1152, engine="hf",
+                                                   compute_bytes=4, generated=(32, 1152))) if row[0] == "engine")
+    # float32: 32 x 1,152 tokens x 2 x 36 layers x 8 KV heads x 128 x 4 bytes + sampling's 4 float32 [32, V] tensors
+    assert engine[2:] == (0, 32 * 1152 * 2 * 36 * 8 * 128 * 4 + 16 * 32 * 151936, 0)
 
 
 def test_scaling_table_rows():
+    """At the defaults (16,384-token micro-batches, vLLM's share auto) every method fits Qwen3-4B and Qwen3-8B on 8
+    GPUs of 80 GiB or fewer; the second setting is the defaults before issue 39 (8 sequences, vLLM at 0.3)."""
     table = memory.scaling_table()
-    assert "| `sp3o.py` | Qwen3-4B | 2 | 1 (127 GiB) | 16 | 1 (127 GiB) |" in table
-    assert "| `grpo.py` | Qwen3-8B | 4 | 1 (137 GiB) | > 64 | > 64 |" in table
+    assert "| `sp3o.py` | Qwen3-4B | 2 | 1 (127 GiB) | 4 | 1 (127 GiB) |" in table
+    assert "| `grpo.py` | Qwen3-8B | 2 | 1 (137 GiB) | 4 | 1 (137 GiB) |" in table
+    rows = [line.split(" | ") for line in table.splitlines()[2:]]
+    defaults = {(row[0].strip("| `"), row[1]): int(row[2]) for row in rows}
+    assert {method for method, _ in defaults} >= {"sp3o.py", "ppo.py", "tppo.py", "sppo.py", "grpo.py", "spo.py"}
+    assert all(gpus <= 8 for (method, model), gpus in defaults.items() if model in ("Qwen3-4B", "Qwen3-8B"))
 
 
 # ---------------------------------------------------------------------------------------------- --offload-optimizer

@@ -19,26 +19,29 @@ def test_checks_flag_a_plan_off_by_more_than_the_tolerance_and_faster_than_linea
         return dict(method=method, response=response, peak=measured * GIB, planned=planned * GIB)
     good = [result("grpo", 1024, 5.0, 4.0), result("grpo", 2048, 5.0, 6.0), result("grpo", 4096, 12.5, 10.1)]
     assert rehearsal.checks(good) == []  # 4.0 / 5.0 = 0.8 and 6.0 / 5.0 = 1.2: at the limits; 12.5 = 2.5 x 5.0
-    assert rehearsal.checks([result("ppo", 1024, 5.0, 3.9)]) == ["ppo 1024: plan 3.90 GiB vs measured 5.00"]
-    assert rehearsal.checks([result("ppo", 1024, 5.0, 6.1)]) == ["ppo 1024: plan 6.10 GiB vs measured 5.00"]
+    assert rehearsal.checks([result("ppo", 1024, 5.0, 3.9)]) == ["ppo update 1024: plan 3.90 GiB vs measured 5.00"]
+    assert rehearsal.checks([result("ppo", 1024, 5.0, 6.1)]) == ["ppo update 1024: plan 6.10 GiB vs measured 5.00"]
     steep = [result("ppo", 2048, 4.0, 4.0), result("ppo", 4096, 10.1, 10.1)]  # 10.1 > 2.5 x 4.0
-    assert rehearsal.checks(steep) == ["ppo: 10.10 GiB at 4096 > 2.5 x 4.00 GiB at 2048"]
+    assert rehearsal.checks(steep) == ["ppo update: 10.10 GiB at 4096 > 2.5 x 4.00 GiB at 2048"]
+    rollout = [dict(r, phase="rollout") for r in steep]  # each phase's growth on its own
+    assert rehearsal.checks(steep[:1] + rollout[1:]) == []
 
 
 def test_cpu_plan_of_one_sequence_per_micro_batch_by_hand():
     """A tied model of hidden 128 and vocabulary 1,000, one layer, one sequence of 1,024 + 512 tokens per micro-batch,
-    bf16 compute, on CPU: the logits cover the 512 + 1 response columns only; the embedding's two float32 gradients
+    bf16 compute, on CPU: the LM head covers the 512 response positions only, its vocabulary in one slice (2**24 / 512
+    columns would be more than 1,000); the embedding's two float32 gradients
     (its LM head's and its own) wait before accumulation; the process baseline and the allocator's slack replace the
     CUDA context."""
     shape = Shape(128, 1, 2, 1, 64, 384, 1000, True)
     setup = Setup((("policy", shape, 0, True),), tokens=1536, sequence=1536, engine="hf", cpu=True, rows=1)
     rows = {name: update for name, _, update, _, _ in memory.plan(setup)}
-    assert rows["logits"] == 2 * 2 * 513 * 1000  # bf16 logits and their gradient
+    assert rows["logits"] == 8 * 512 * (1000 + 128)  # the slice's float32 logits, a temporary; h's casts, gradient
     assert rows["grad buffers"] == 2 * 4 * 1000 * 128
     # the process baseline for the CUDA context, and glibc's kept free blocks: 15% of the rest
     assert rows["overhead"] == memory.CPU_BASELINE + 0.15 * sum(rows[name] for name in rows if name != "overhead")
     packed = dict(rows_of_plan(Setup(setup.models, tokens=1536, sequence=1536, engine="hf")))
-    assert packed["logits"] == 2 * 2 * 1536 * 1000 and packed["overhead"] == GIB  # packed by tokens: every column
+    assert packed["logits"] == 8 * 1536 * (1000 + 128) and packed["overhead"] == GIB  # packed: every position
     critic = dict(rows_of_plan(Setup((("critic", shape, 1, True),), tokens=1536, sequence=1536, rows=1)))
     assert critic["logits"] == 0 and critic["grad buffers"] == 4 * 1000 * 128  # no LM head: its embedding's only
 
@@ -73,7 +76,8 @@ def test_rehearsal_at_a_small_shape_matches_its_plan_and_grows_about_linearly():
     assert [(r["method"], r["response"]) for r in results] == [("grpo", 256), ("grpo", 512), ("ppo", 256),
                                                                ("ppo", 512)]
     assert rehearsal.checks(results) == [], done.stdout
-    for r in results:  # the plan as built: one sequence of 1,024 prompt + the response tokens per micro-batch
-        assert r["plan_rows"]["logits"] == 2 * 2 * (r["response"] + 1) * 151936  # the policy's (PPO: the larger pass)
-        assert r["update_seconds"] > 0 and r["peak"] > r["plan_rows"]["weights"]
+    for r in results:  # the plan as built: one sequence of 1,024 prompt + the response tokens per micro-batch, the
+        # LM head over its T response positions in slices of 2**24 / T columns (PPO: the policy's pass, the larger)
+        assert r["plan_rows"]["logits"] == 8 * r["response"] * (2 ** 24 // r["response"] + 128)
+        assert r["seconds"] > 0 and r["peak"] > r["plan_rows"]["weights"]
     assert done.returncode == 0 and "growth about linear: yes" in done.stdout
