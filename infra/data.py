@@ -189,15 +189,16 @@ def _read_file_rows(spec, flag):
 
 def builtin_digits(spec, flag="--dataset"):
     """The digits of `builtin` (the default, infra.tiny.DIGITS), `builtin:N` (an int) or `builtin:A-B` ((A, B));
-    "early" for `builtin:early` (infra.tiny.early_problem)."""
+    "early" for `builtin:early` (infra.tiny.early_problem), "words" for `builtin:words` (infra.tiny.word_problem)."""
     text = spec.partition(":")[2] if ":" in spec else str(DIGITS)
-    if text == "early":
+    if text in ("early", "words"):
         return text
     bounds = text.split("-")
     valid = len(bounds) <= 2 and all(b.isdigit() and 1 <= int(b) <= 12 for b in bounds)
     if not valid or int(bounds[0]) > int(bounds[-1]):
         raise UserError(f"{flag} {spec!r}: the built-in task is `builtin`, `builtin:N` (N digits from 1 to 12), "
-                        f"`builtin:A-B` (each problem's digits drawn from A to B, A <= B) or `builtin:early` "
+                        f"`builtin:A-B` (each problem's digits drawn from A to B, A <= B), `builtin:words` or "
+                        f"`builtin:early` "
                         f"(6 digits, one carry: after the units column)")
     return int(bounds[0]) if len(bounds) == 1 else (int(bounds[0]), int(bounds[1]))
 
@@ -220,10 +221,14 @@ def load_rows(spec, split="train", n_builtin=None, seed=0, skip_bad_rows=False, 
     elif spec.endswith(DATA_EXTENSIONS) or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
         raise UserError(f"{flag} {spec!r}: no such file (or a hub id: org/name)")
     else:
-        try:
+        try:  # not in requirements.txt: a hub id is the one use of this large package
             import datasets
+        except ImportError:
+            raise UserError(f"{flag} {spec!r}: a hub dataset id needs the `datasets` package: pip install datasets "
+                            f"(or give a .jsonl/.json/.parquet file)") from None
+        try:
             raw = [(f"{spec}[{i}]", r) for i, r in enumerate(datasets.load_dataset(spec, split=split))]
-        except Exception as error:  # hub unreachable, no `datasets` package, no such split ...
+        except Exception as error:  # hub unreachable, no such dataset or split ...
             raise UserError(f"{flag} {spec!r}: not a local file and the hub dataset could not be loaded "
                             f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})")
     rows, bad = [], []
@@ -250,7 +255,7 @@ def load_eval_sets(specs, limit=0, skip_bad_rows=False, train_spec="builtin"):
     the built-in task's held-out split, with the digits of `train_spec` when that is `builtin:N`, or its problems
     when that is `builtin:early`); a file `math500/test.jsonl` is named `math500`, a repeated name gets `_2`, `_3`.
     `limit` > 0 keeps the first `limit` rows of each. Each set keeps its own answer format (auto: what its
-    prompts ask for), whatever the training set's."""
+    prompts ask for), whatever the training set's. No specs: {} (no held-out evaluation, NO_EVAL_SETS)."""
     sets = {}
     specs = [specs] if isinstance(specs, str) else specs
     for spec in [s.strip() for item in specs for s in item.split(",") if s.strip()]:
@@ -263,9 +268,10 @@ def load_eval_sets(specs, limit=0, skip_bad_rows=False, train_spec="builtin"):
             name = f"{base}_{copy}"
         sets[name] = load_rows(spec, "test", n_builtin=limit or 256, skip_bad_rows=skip_bad_rows,
                                flag="--eval-datasets")[:limit or None]
-    if not sets:
-        raise UserError("--eval-datasets is empty: give at least one file, hub id or `builtin`")
     return sets
+
+
+NO_EVAL_SETS = "held-out evaluation: none (no --eval-datasets given, e.g. --eval-datasets math500.jsonl aime24.jsonl)"
 
 
 def describe(name, rows):

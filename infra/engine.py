@@ -4,8 +4,8 @@ with the trainer's own model (generate's sampling, in a leaner loop); the vLLM e
 """
 import torch
 
-from common import Completion, cache_argument
-from infra import UserError, dist
+from common import Completion, cache_argument, prompt_ids
+from infra import UserError, dist, progress
 
 
 class HFGenerator:
@@ -30,8 +30,8 @@ class HFGenerator:
             self.model = model
             return
         own = self.model.state_dict()
-        with torch.no_grad():
-            for name, tensor in dist.full_weights(model):
+        with torch.no_grad():  # gathered in the copy's dtype (bf16: half the bytes), the values copy_ would cast to
+            for name, tensor in dist.full_weights(model, self.model.compute_dtype):
                 own[name].copy_(tensor)
 
     def sleep(self):
@@ -57,6 +57,7 @@ class HFGenerator:
         requests = [(i, p) for i, p in enumerate(prompts) for _ in range(n)]
         completions, was_training = [], self.model.training
         self.model.eval()
+        progress.requested(len(requests))  # samples and tokens done, shown once a phase runs long (infra.progress)
         for start in range(0, len(requests), self.batch_size):
             chunk = requests[start:start + self.batch_size]
             width = max(len(p) for _, p in chunk)
@@ -113,12 +114,16 @@ class HFGenerator:
             logprobs[active, step] = logits.log_softmax(-1).gather(-1, token[:, None])[:, 0]
             going = ~torch.isin(token, stops)
             if step == max_tokens - 1 or not going.any():
+                progress.generated(len(active), finished=len(active))  # this step's tokens; the rows left are done
                 break
             if not going.all():  # the stopped rows leave the batch and the cache
                 keep = going.nonzero()[:, 0]
+                progress.generated(len(active), finished=len(active) - len(keep))
                 active, token, attention_mask, positions = active[keep], token[keep], attention_mask[keep], \
                     positions[keep]
                 cache.batch_select_indices(keep)
+            else:
+                progress.generated(len(active))
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(active), 1)], 1)
             positions, step_ids = positions[:, -1:] + 1, token[:, None]
             step_mask, step_positions = attention_mask, positions
@@ -185,12 +190,31 @@ def check_generator(kind, device):
         resolve_generator(kind, device)
 
 
-def make_generator(kind, model, tokenizer, gpu_memory_utilization=0.3, seed=0, kv_cache_gib=1.0):
+def longest_prompt(tokenizer, row_sets):
+    """The most tokens of any prompt (common.prompt_ids) of the rows in `row_sets`, each distinct question tokenized
+    once (0 without rows)."""
+    questions = {repr(row["question"]): row["question"] for rows in row_sets for row in rows}  # messages: lists
+    return max((len(prompt_ids(tokenizer, question)) for question in questions.values()), default=0)
+
+
+def make_generator(kind, model, tokenizer, gpu_memory_utilization=0.3, seed=0, kv_cache_gib=1.0, rows=(),
+                   max_tokens=0):
     """The rollout engine for --generator (see resolve_generator), holding `model`'s current weights. Its close()
-    shuts it down (Run.close, on the way out)."""
+    shuts it down (Run.close, on the way out). A vLLM engine is sized to the run: `rows`, the row lists it prompts
+    with (training and held-out), and `max_tokens`, the longest response it asks for, give its max_model_len (the
+    longest prompt + max_tokens; without rows the model's own positions); gpu_memory_utilization is its share of
+    the GPU (on CPU kv_cache_gib sizes its KV cache)."""
     if resolve_generator(kind, dist.compute_device(model)) == "vllm":
         from infra.vllm_engine import VLLMGenerator
-        generator = VLLMGenerator(model, tokenizer, gpu_memory_utilization, seed, kv_cache_gib)
+        length = None
+        if rows:
+            prompt = longest_prompt(tokenizer, rows)
+            length = prompt + max_tokens
+            if dist.rank() == 0:
+                print(f"vLLM: max_model_len {length} = the longest prompt ({prompt} tokens) + the longest response "
+                      f"({max_tokens})")
+        generator = VLLMGenerator(model, tokenizer, stop_token_ids(model, tokenizer), length, gpu_memory_utilization,
+                                  seed, kv_cache_gib)
     else:
         generator = HFGenerator(model, tokenizer)
     try:

@@ -1,5 +1,6 @@
-"""Held-out evaluation (avg@n, unbiased pass@k, truncation and repetition per dataset), the printed table, and the
-metrics of each training rollout (reward, length, truncation, repetition, engine-vs-trainer log-prob gap).
+"""Held-out evaluation (avg@n, unbiased pass@k, truncation and repetition per dataset, every sample for
+samples.jsonl), the printed table, and the metrics of each training rollout (reward, length, truncation, repetition,
+engine-vs-trainer log-prob gap).
 """
 import math
 
@@ -7,7 +8,7 @@ import numpy as np
 import torch
 
 from common import engine_logprobs, prompt_ids, score
-from infra import dist, verifier
+from infra import dist, progress, samples as sample_log, verifier
 
 
 def rollout_metrics(completions, rewards, trainer_logprobs, mask):
@@ -15,6 +16,7 @@ def rollout_metrics(completions, rewards, trainer_logprobs, mask):
     the trainer's (they differ by numerics, and by design when top-p < 1)."""
     engine = engine_logprobs(completions, trainer_logprobs.shape[1]).to(trainer_logprobs.device)
     gap = (engine - trainer_logprobs).abs()[mask]
+    sample_log.keep_rollout(completions, rewards)  # a few of its samples go to samples.jsonl (Run.end_step)
     return {"reward": rewards.mean().item(), "accuracy": (rewards > 0).float().mean().item(),
             "response_length": mask.sum().item() / len(completions),
             "truncated": sum(c.finish_reason == "length" for c in completions) / len(completions),
@@ -57,31 +59,42 @@ def pass_at_k(n, c, k):
     return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
 
 
-def evaluate(generator, tokenizer, eval_sets, n=1, max_tokens=256, temperature=0.0, top_p=1.0, seed=0):
+def evaluate(generator, tokenizer, eval_sets, n=1, max_tokens=256, temperature=0.0, top_p=1.0, seed=0, samples=None):
     """{eval/<name>/avg@n, eval/<name>/pass@k for k = 1, 2, 4 .. n (n > 1), eval/<name>/truncated and
     eval/<name>/repetition} for each named list of rows, scored in each row's answer format (common.score); a
     response cut off at max_tokens scores 0, as in training. eval/accuracy is avg@n on the first set. Samples
-    under its own seed: training randomness is untouched."""
+    under its own seed: training randomness is untouched. A list `samples` (given on every rank) receives every
+    sample's samples.jsonl record (infra.samples.record), set by set, problem by problem."""
     metrics = {}
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
         torch.manual_seed(seed)
         for name, all_rows in eval_sets.items():
+            progress.phase(f"eval {name}")
             rows = all_rows[dist.rank()::dist.world_size()]  # under torchrun each rank takes every world_size-th one
-            completions = generator.generate([prompt_ids(tokenizer, r["question"]) for r in rows], n, max_tokens,
-                                             temperature, top_p)
-            correct = np.zeros(len(rows), dtype=int)
+            prompts = [prompt_ids(tokenizer, r["question"]) for r in rows]
+            completions = generator.generate(prompts, n, max_tokens, temperature, top_p)
+            correct, drawn, records = np.zeros(len(rows), dtype=int), [0] * len(rows), []
+            texts = [tokenizer.decode(p) for p in prompts] if samples is not None else None
             for completion in completions:
-                if completion.finish_reason == "stop":
-                    correct[completion.prompt_index] += score(completion.text, rows[completion.prompt_index])
+                i = completion.prompt_index
+                reward = score(completion.text, rows[i]) if completion.finish_reason == "stop" else 0.0
+                correct[i] += reward
+                if samples is not None:  # the problem's row in the whole set: rank + world_size * i
+                    records.append(sample_log.record("eval", name, dist.rank() + dist.world_size() * i, drawn[i],
+                                                     rows[i], texts[i], completion, reward))
+                    drawn[i] += 1
             shares = dist.gather_objects((correct.tolist(), sum(c.finish_reason == "length" for c in completions),
-                                          sum(ends_in_loop(response_tokens(c)) for c in completions)))
+                                          sum(ends_in_loop(response_tokens(c)) for c in completions), records))
+            if samples is not None:
+                samples.extend(sorted((r for share in shares for r in share[3]), key=lambda r: (r["index"],
+                                                                                               r["sample"])))
             correct = np.array([c for share in shares for c in share[0]])
-            samples = len(correct) * n
+            total = len(correct) * n
             metrics[f"eval/{name}/avg@{n}"] = float(correct.mean() / n)
             for k in [2 ** i for i in range(int(math.log2(n)) + 1)] if n > 1 else []:
                 metrics[f"eval/{name}/pass@{k}"] = float(np.mean([pass_at_k(n, int(c), k) for c in correct]))
-            metrics[f"eval/{name}/truncated"] = sum(share[1] for share in shares) / samples
-            metrics[f"eval/{name}/repetition"] = sum(share[2] for share in shares) / samples
+            metrics[f"eval/{name}/truncated"] = sum(share[1] for share in shares) / total
+            metrics[f"eval/{name}/repetition"] = sum(share[2] for share in shares) / total
             metrics.setdefault("eval/accuracy", metrics[f"eval/{name}/avg@{n}"])
     return metrics
 

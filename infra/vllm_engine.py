@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from common import Completion
-from infra import dist
+from infra import UserError, dist
 
 GIB = 1 << 30
 
@@ -49,6 +49,33 @@ def vllm_problem(device):
     if current_platform.device_type != wanted:  # the CUDA wheel on a CPU-only box, or --device cpu on a GPU box
         return (f"runs on the installed vllm's platform ({current_platform.device_type or 'none found'}), "
                 f"not beside a policy on {wanted}")
+    return None
+
+
+def head_size_problem(config, dtype):
+    """None when the installed vLLM has an attention kernel for the model's head size in `dtype`, else why not.
+    vLLM's CPU build dispatches on head size in its compiled kernels and fails at the engine's first forward, after
+    its start: `Unsupported CPU attention configuration: head_dim=16` (8, 16, 24 and 40 fail in 0.32.0; 32, 48, 64,
+    80 ... 512 run, though v1/attention/backends/cpu_attn.py get_supported_head_sizes lists 48 as unsupported). So
+    ask the kernels: the attention scheduler's metadata for one 1-token request, which dispatches as the forward
+    does (cpu_attn.py CPUAttentionMetadataBuilder, its ISA for the CPU's default block of 128 tokens). The head size
+    as vLLM reads it (transformers_utils/model_arch_config_convertor.py get_head_size): config.head_dim, else
+    hidden_size / num_attention_heads."""
+    from vllm.platforms import current_platform
+    if not current_platform.is_cpu():
+        return None
+    from vllm import _custom_ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    one = dict(num_reqs=1, num_heads=1, num_kv_heads=1, seq_lens=torch.tensor([1], dtype=torch.int32),
+               query_start_loc=torch.tensor([0, 1], dtype=torch.int32), causal=True, sliding_window_size=-1)
+    try:
+        _custom_ops.cpu_attn_get_scheduler_metadata(head_dim=size, dtype=dtype, isa=_get_attn_isa(dtype, 128, size),
+                                                    enable_kv_split=False, **one)
+    except RuntimeError as error:
+        if "Unsupported CPU attention configuration" not in str(error):
+            raise
+        return f"vLLM's CPU build has no attention kernel for this model's head size {size} ({str(error).strip()})"
     return None
 
 
@@ -86,22 +113,40 @@ def _process_state_kept():
                 os.environ.pop("LD_PRELOAD", None)
 
 
+class _NotLoaded(logging.Handler):
+    """Records reload_weights' warning that some of the engine's parameters are in no checkpoint tensor handed to it
+    (model_executor/model_loader/reload/inplace.py: "Following weights were not loaded from checkpoint")."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.seen = []
+
+    def emit(self, record):
+        if record.getMessage().startswith("Following weights were not loaded"):
+            self.seen.append(record.getMessage())
+
+
 class VLLMGenerator:
     """vLLM engine colocated in this process. It keeps its own copy of the weights: sync_weights() copies the
     trainer's in after each update; sleep() frees its GPU memory during the update where the platform has sleep mode
     (CUDA; not the CPU build, which keeps its memory). Log-probs are of the processed distribution (temperature and
     top-p applied), as in HFGenerator. Sampling is seeded from the trainer's torch RNG: the samples follow the run's
-    seed and a resumed run draws the same ones."""
+    seed and a resumed run draws the same ones. `stop_ids`: infra.engine.stop_token_ids; `max_model_len`: the
+    longest prompt + response the run asks for (infra.engine.make_generator; None: the model's positions)."""
     engine = "vllm"
 
-    def __init__(self, model, tokenizer, gpu_memory_utilization=0.3, seed=0, kv_cache_gib=1.0):
+    def __init__(self, model, tokenizer, stop_ids, max_model_len=None, gpu_memory_utilization=0.3, seed=0,
+                 kv_cache_gib=1.0):
         # Engine core in this process (envs.py VLLM_ENABLE_V1_MULTIPROCESSING; v1/engine/llm_engine.py then uses an
         # InprocClient and v1/executor/uniproc_executor.py): collective_rpc calls the worker directly, nothing is
         # serialized, and the weights handed to sync_weights() are read in place.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         _quiet_vllm()
-        from infra.engine import stop_token_ids
-        self.tokenizer, self.asleep, self.stop_ids = tokenizer, set(), stop_token_ids(model, tokenizer)
+        problem = head_size_problem(model.config, model.compute_dtype)  # before the engine's start
+        if problem:
+            raise UserError(f"--generator vllm: {problem}; use --generator hf")
+        self.tokenizer, self.stop_ids, self.asleep, self.discarded = tokenizer, list(stop_ids), set(), False
+        self.sleep_level = 2  # 1 once a sync leaves parameters it did not write (sync_weights)
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_SkipRotaryReloadWarning())
         with _process_state_kept():
             from vllm import LLM
@@ -126,34 +171,58 @@ class VLLMGenerator:
             path = model.name_or_path  # the checkpoint the trainer loaded: architecture, config, tokenizer
             # entrypoints/llm.py LLM(...) -> engine/arg_utils.py EngineArgs. logprobs_mode (config/model.py):
             # "processed" = after temperature and top-k/top-p, returned by the sampler (v1/sample/sampler.py).
-            self.llm = LLM(model=path, tokenizer=path, dtype=str(model.compute_dtype).removeprefix("torch."),
-                           seed=seed, gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_mode,
-                           enable_prefix_caching=True, logprobs_mode="processed_logprobs", **cpu, **ranks)
+            # max_model_len: without it the model's own positions (Qwen3: 32,768 or 40,960), which vLLM must fit
+            # one request of in its KV cache and sizes its scheduler for.
+            try:
+                self.llm = LLM(model=path, tokenizer=path, dtype=str(model.compute_dtype).removeprefix("torch."),
+                               seed=seed, gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                               enable_sleep_mode=self.sleep_mode, enable_prefix_caching=True,
+                               logprobs_mode="processed_logprobs", **cpu, **ranks)
+            except ValueError as error:  # config/model.py: longer than the model's positions (pydantic's error too)
+                if max_model_len is None or "max_model_len" not in str(error):
+                    raise
+                positions = getattr(model.config, "max_position_embeddings", "fewer")
+                raise UserError(f"--generator vllm: the run's longest prompt + longest response need "
+                                f"{max_model_len} positions, more than the model's {positions} (vLLM refuses "
+                                f"them); lower --max-response-tokens or --eval-max-tokens") from None
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
 
     def generate(self, prompts, n=1, max_tokens=256, temperature=1.0, top_p=1.0):
         from vllm import SamplingParams, TokensPrompt
+        if self.discarded:
+            raise RuntimeError("the vLLM engine slept at level 2, which discards its weights: sync_weights(policy) "
+                               "puts them back before it generates again")
+        longest = max(map(len, prompts), default=0)
+        if longest >= self.max_model_len:  # vLLM would refuse the request (v1/engine/input_processor.py)
+            raise ValueError(f"a prompt of {longest} tokens does not fit the vLLM engine's max_model_len of "
+                             f"{self.max_model_len} (the run's longest prompt + longest response, fixed at its start)")
         self.wake_up()
         greedy = temperature <= 0  # SamplingParams rejects n > 1 when greedy: send each prompt n times instead
         repeats, n = (n, 1) if greedy else (1, n)
-        # One draw of the trainer's torch RNG per sampled call (none when greedy): request i samples with seed
-        # base + i * n, its j-th sample with base + i * n + j (v1/engine/parallel_sampling.py), so a sample depends
-        # on the run's RNG state, its prompt and position alone, not on how vLLM batches the requests. (Unseeded,
-        # the sampler draws from the global generator once per step, as many numbers as requests are running:
-        # v1/sample/ops/topk_topp_sampler.py forward_cpu, random_sample.)
-        base = None if greedy else int(torch.randint(2 ** 31, ()))
+        # One draw of the trainer's torch RNG per sampled call (none when greedy) seeds the global generators the
+        # sampler draws from, once per engine step for the whole batch (v1/sample/ops/topk_topp_sampler.py
+        # forward_cpu, random_sample). The samples then follow the run's RNG state and the call's requests (the
+        # same call after a resume draws the same ones), though not a prompt's alone: its samples change with the
+        # prompts beside it. A seed per request would keep them apart, but vLLM then draws request by request: 4-9%
+        # fewer tokens per CPU second on the tiny model, 2% at Qwen3-0.6B's width (benchmarks/vllm_seeding.py).
+        seed = None if greedy else int(torch.randint(2 ** 31, ()))
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts for _ in range(repeats)]
         # sampling_params.py: logprobs=0 returns the sampled token's log-prob alone. The stops are HFGenerator's
         # (infra.engine.stop_token_ids); vLLM stops at its tokenizer's EOS and generation_config's too
         # (update_from_generation_config). A stop id ends the output like the EOS: v1/core/sched/utils.py check_stop
-        # runs after the token is appended, so token_ids and logprobs keep it, the layout of HFGenerator's.
+        # runs after the token is appended, so token_ids and logprobs keep it, the layout of HFGenerator's. A
+        # request past max_model_len in all ends there, "length" (check_stop): only a Monte Carlo continuation of a
+        # long prefix can (common.monte_carlo_values' shared budget), beyond the run's response limit, scored 0.
         params = [SamplingParams(n=n, temperature=max(temperature, 0.0), top_p=1.0 if greedy else top_p,
-                                 max_tokens=max_tokens, logprobs=0, stop_token_ids=list(self.stop_ids),
-                                 seed=None if greedy else base + i * n) for i in range(len(requests))]
+                                 max_tokens=max_tokens, logprobs=0, stop_token_ids=self.stop_ids)
+                  for _ in requests]
         # Every call starts from an empty prefix cache, so it computes the same tokens whatever ran before it (an
         # evaluation, a resumed run's first step); the n samples of a prompt still share its cached prompt.
         self.llm.reset_prefix_cache()
         completions = []
-        with _rng_kept():  # the sampler still draws from the global generators: the trainer's stream stays as it was
+        with _rng_kept():  # the sampler draws from the global generators: the trainer's stream stays as it was
+            if seed is not None:
+                torch.manual_seed(seed)  # CPU and every CUDA device
             outputs = self.llm.generate(requests, params, use_tqdm=False)
         # LLM.generate: one RequestOutput per prompt, in order; .outputs holds its samples (outputs.py), each with
         # token_ids (the stop token included), logprobs (per position, token id -> Logprob) and finish_reason.
@@ -167,12 +236,16 @@ class VLLMGenerator:
         return completions
 
     def sleep(self):
-        """Free the engine's GPU memory for the update: level 1 backs the weights up in CPU memory and drops the
-        KV cache, prefix cache included (LLM.sleep -> v1/engine/core.py EngineCore.sleep: pauses the scheduler, then
-        v1/executor/abstract.py). Nothing where the platform has no sleep mode."""
+        """Free the engine's GPU memory for the update: level 2 drops the weights without a copy (sync_weights
+        writes every one of them after the update) and the KV cache, prefix cache included (LLM.sleep ->
+        v1/engine/core.py EngineCore.sleep: pauses the scheduler, then v1/worker/gpu_worker.py Worker.sleep, which
+        first keeps a host copy of the model's buffers, such as the rotary cos/sin cache that no checkpoint holds,
+        and puts them back when the weights wake). Level 1 would copy the weights to host memory and back, for
+        sync_weights to overwrite them; it is kept for a model some of whose parameters no sync writes (sync_weights
+        notices). Until sync_weights, generate() refuses. Nothing where the platform has no sleep mode."""
         if self.sleep_mode and not self.asleep:
-            self.llm.sleep(level=1)
-            self.asleep = {"weights", "kv_cache"}
+            self.llm.sleep(level=self.sleep_level)
+            self.asleep, self.discarded = {"weights", "kv_cache"}, self.sleep_level == 2
 
     def wake_up(self, tags=("weights", "kv_cache")):
         tags = [tag for tag in tags if tag in self.asleep]
@@ -189,10 +262,23 @@ class VLLMGenerator:
         model_executor/model_loader/reload/inplace.py): the model's own load_weights takes HF names (fuses q/k/v
         and gate/up, skips a tied lm_head: model_executor/models/qwen3.py), then each layer is processed as at
         load time and copied into the engine's tensors in place. (Calling load_weights alone, as apply_model
-        allows, fails on the CPU build: its linear layers are repacked after loading and have no weight_loader.)"""
+        allows, fails on the CPU build: its linear layers are repacked after loading and have no weight_loader.)
+        Each tensor is handed over in the compute dtype, cast before an FSDP gather: in bf16 half the bytes of the
+        float32 weights, the same values (the engine's own weights are in that dtype: it would cast them as it
+        copies); in float32 the trainer's tensors themselves."""
         self.wake_up(tags=["weights"])
-        weights = dist.full_weights(model)  # one tensor at a time: under torchrun each is gathered from the shards
-        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
+        weights = dist.full_weights(model, model.compute_dtype)  # one tensor at a time (torchrun: each gathered)
+        logger, not_loaded = logging.getLogger("vllm.model_executor.model_loader.reload.inplace"), _NotLoaded()
+        logger.addHandler(not_loaded)
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
+        finally:
+            logger.removeHandler(not_loaded)
+        if not_loaded.seen and self.sleep_level == 2:  # level 2 would leave those parameters undefined
+            self.sleep_level = 1
+            if self.sleep_mode:
+                print("vLLM: parameters outside the checkpoint: sleep level 1 (the weights wait in host memory)")
+        self.discarded = False
         self.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()
 

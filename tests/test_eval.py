@@ -16,6 +16,7 @@ import infra.data
 import infra.evaluate
 import infra.log
 import infra.run
+import infra.samples
 import infra.tiny
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
@@ -132,12 +133,17 @@ def test_run_eval_only_logs_and_prints(tokenizer, tmp_path, capsys):
     run = object.__new__(infra.run.Run)  # what Run.__init__ and Run.start would have set up
     run.args, run.generator, run.tokenizer, run.eval_sets, run.start_step = EvalArgs(), generator, tokenizer, \
         {"tiny": rows}, 7
-    run.logger = infra.log.Logger(str(tmp_path), run.args)
+    run.logger, run.samples = infra.log.Logger(str(tmp_path), run.args), infra.samples.SampleLog(str(tmp_path))
     metrics = run.evaluate_only()
     assert metrics["eval/tiny/avg@2"] == pytest.approx(0.5)
     record = json.loads(open(tmp_path / "metrics.jsonl").read().splitlines()[-1])
     assert record["step"] == 7 and record["eval/tiny/pass@2"] == pytest.approx(0.5)
-    assert any(line.split()[:2] == ["tiny", "0.5000"] for line in capsys.readouterr().out.splitlines())
+    out = capsys.readouterr().out.splitlines()
+    assert any(line.split()[:2] == ["tiny", "0.5000"] for line in out)
+    assert "tiny #0 reward 1 (stop, 12 tok) | 100+200" in out and "  -> \\boxed{9}" in out  # two responses
+    samples = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]
+    assert [(s["step"], s["index"], s["sample"], s["reward"]) for s in samples] == [
+        (7, 0, 0, 1.0), (7, 0, 1, 1.0), (7, 1, 0, 0.0), (7, 1, 1, 0.0)]
 
 
 # ---------------------------------------------------------------- eval sets
@@ -157,8 +163,7 @@ def test_load_eval_sets_builtin_and_empty():
     sets = infra.data.load_eval_sets(("builtin",), limit=10)
     assert list(sets) == ["builtin"] and len(sets["builtin"]) == 10
     assert all(infra.tiny.is_heldout(row["a"], row["b"]) for row in sets["builtin"])
-    with pytest.raises(infra.UserError):
-        infra.data.load_eval_sets(" , ")
+    assert infra.data.load_eval_sets(" , ") == {}  # none given: no evaluation (a real model's default)
 
 
 # ---------------------------------------------------------------- repetition
@@ -208,3 +213,32 @@ def test_eval_only_on_math500_end_to_end(trainer, tmp_path):
     assert record["eval/math500/pass@1"] == pytest.approx(record["eval/math500/avg@2"])
     assert "math500" in result.stdout + result.stderr  # the printed table
     assert not os.path.exists(tmp_path / "eval_only" / "checkpoints")
+
+
+def test_a_real_model_evaluates_only_what_is_asked(qwen_like_path, tmp_path, capsys):
+    """Issue 39: a real model's run evaluates no built-in task unless asked; on a dataset file without
+    --eval-datasets its start lines say there is no held-out evaluation, and evaluate() does nothing. The tiny demo
+    keeps its preset's `builtin`; --eval-only and the critic probes (held-out prompts) are refused without sets."""
+    import grpo
+    import ppo
+    import infra.cli
+    fixture = os.path.join(ROOT, "tests", "fixtures", "slime_format.jsonl")
+    real = ["--model", qwen_like_path, "--output-dir", str(tmp_path)]
+    args = infra.cli.parse_args(grpo.Args, grpo.TINY_PRESET, [*real, "--dataset", fixture])
+    assert args.eval_datasets == ()
+    run = infra.run.Run(args, "grpo.py")
+    said = capsys.readouterr().out.splitlines()
+    assert run.eval_sets == {} and run.probe_rows == [] and infra.data.NO_EVAL_SETS in said, said
+    assert run.evaluate(0) == {}
+    assert infra.data.load_eval_sets(()) == {} and infra.data.load_eval_sets(" , ") == {}
+    assert infra.cli.parse_args(grpo.Args, grpo.TINY_PRESET, []).eval_datasets == ("builtin",)  # the demo
+    asked = infra.cli.parse_args(grpo.Args, grpo.TINY_PRESET, [*real, "--eval-datasets", "builtin", fixture])
+    assert asked.eval_datasets == ("builtin", fixture)
+    assert infra.cli.parse_args(grpo.Args, grpo.TINY_PRESET, ["--eval-datasets"]).eval_datasets == ()  # none
+    for trainer, argv in ((grpo, ["--eval-only"]), (ppo, ["--probe-every", "1"])):
+        flag = argv[0]
+        with pytest.raises(infra.UserError, match=f"^{flag} needs held-out problems: give --eval-datasets"):
+            infra.cli.parse_args(trainer.Args, trainer.TINY_PRESET, [*real, *argv])
+        with pytest.raises(infra.UserError, match=f"^{flag} needs held-out problems"):  # none, explicitly
+            infra.cli.parse_args(trainer.Args, trainer.TINY_PRESET, [*argv, "--eval-datasets"])
+        assert infra.cli.parse_args(trainer.Args, trainer.TINY_PRESET, argv)  # the demo's builtin: allowed

@@ -18,7 +18,7 @@ model, tokenizer = common.load_model(sys.argv[1], "float32", "cpu")
 generator = infra.engine.make_generator("vllm", model, tokenizer, 0.3, 0, 1 / 16)  # the first weight sync
 try:
     print(f"stops {generator.stop_ids}, pad {tokenizer.pad_token_id}, "
-          f"rows {model.get_input_embeddings().num_embeddings}")
+          f"rows {model.get_input_embeddings().num_embeddings}, sleep level {generator.sleep_level}")
     rows = infra.tiny.builtin_rows("test", 24, 0, 2)
     print(f"turn end: {check_turn_end_paths(generator, tokenizer, rows)} of {len(rows)} turns answered right")
     torch.manual_seed(0)
