@@ -25,26 +25,27 @@ import infra.run
 
 @dataclass
 class Args(infra.cli.RunArgs):
-    """GRPO's knobs, each with its published value beside it (flags of every trainer: infra.cli.RunArgs)."""
-    prompts_per_step: int = 64  # prompts per rollout (published: 64)
-    samples_per_prompt: int = 8  # G, samples per prompt (published: 8)
-    max_response_tokens: int = 8192  # response length limit; truncated responses score 0 (published: 8192)
-    temperature: float = 1.0  # rollout sampling temperature (published: 1.0)
-    top_p: float = 1.0  # rollout nucleus sampling (1.0: off)
-    lr: float = 1e-6  # policy learning rate (published: 1e-6)
-    weight_decay: float = 0.01  # AdamW weight decay (verl default)
-    adam_betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
-    mini_batches: int = 2  # optimizer steps per rollout per epoch (published: 2)
-    epochs: int = 1  # passes over each rollout
-    grad_clip: float = 1.0  # max global gradient norm (published: 1.0)
+    """GRPO's knobs: SP3O's released `grpo` preset. (NAME: value) names a source (docs/methods.md has the table)."""
+    prompts_per_step: int = 64  # prompts per rollout (SP3O: 64; DAPO: 512)
+    samples_per_prompt: int = 8  # G, samples per prompt (SP3O: 8; DeepSeekMath: 64, DAPO: 16)
+    max_response_tokens: int = 8192  # response length limit; truncated responses score 0 (SP3O: 8192; DAPO: 20480)
+    temperature: float = 1.0  # rollout sampling temperature (SP3O: 1.0)
+    top_p: float = 1.0  # rollout nucleus sampling, off at 1.0 (SP3O/SPO: 1.0)
+    lr: float = 1e-6  # policy learning rate (SP3O/SPO: 1e-6)
+    weight_decay: float = 0.1  # AdamW weight decay (SP3O: 0.1; verl: 0.01)
+    adam_betas: tuple[float, float] = (0.9, 0.98)  # AdamW betas (SP3O: 0.9, 0.98; verl: 0.9, 0.999)
+    mini_batches: int = 2  # optimizer steps per rollout per epoch (SP3O: 2; DeepSeekMath: 1)
+    epochs: int = 1  # passes over each rollout (SP3O: 1)
+    grad_clip: float = 1.0  # max global gradient norm (SP3O/SPO: 1.0)
     truncated_is: Literal["auto", "on", "off"] = "auto"  # correct the engine/trainer mismatch (auto: on with vLLM)
-    tis_cap: float = 2.0  # cap of the truncated importance weights (published: 2.0, SP3O's released setting)
-    clip_low: float = 0.2  # PPO clip epsilon below 1 (published: 0.2)
-    clip_high: float = 0.2  # PPO clip epsilon above 1 (0.28 is DAPO's clip-higher; published default 0.2)
-    # loss reduction (sum-max-len: Dr. GRPO)
-    aggregation: Literal["token-mean", "seq-mean", "sum-max-len"] = "token-mean"
-    advantage_scale: Literal["group", "batch", "none"] = "group"  # divide by group std, batch std, or not (Dr. GRPO)
-    kl_coef: float = 0.0  # beta of the k3 KL to a frozen reference (0: no reference model is loaded)
+    tis_cap: float = 2.0  # cap of the truncated importance weights (SP3O: 2.0)
+    clip_low: float = 0.2  # PPO clip epsilon below 1 (SP3O/SPO: 0.2)
+    clip_high: float = 0.2  # PPO clip epsilon above 1 (SP3O/SPO: 0.2; DAPO's clip-higher: 0.28)
+    # loss reduction (SP3O/DeepSeekMath: seq-mean; DAPO: token-mean; Dr. GRPO: sum-max-len)
+    aggregation: Literal["token-mean", "seq-mean", "sum-max-len"] = "seq-mean"
+    # advantages divided by the group's std, the batch's, or not (SP3O/DeepSeekMath: group; Dr. GRPO: none)
+    advantage_scale: Literal["group", "batch", "none"] = "group"
+    kl_coef: float = 0.0  # beta of the k3 KL to a frozen reference, 0: none loaded (SP3O: 0.0; DeepSeekMath: 0.04)
 
 
 # The CPU demo: the settings shared by the six files (infra.cli.CONTROLLED_TINY_PRESET: rollouts of 512 samples,

@@ -27,41 +27,41 @@ import infra.run
 
 @dataclass
 class Args(infra.cli.RunArgs):
-    """SP3O's knobs, each with its published value beside it (flags of every trainer: infra.cli.RunArgs)."""
-    prompts_per_step: int = 64  # prompts per rollout (published: 64)
-    samples_per_prompt: int = 8  # G, samples per prompt (published: 8)
+    """SP3O's knobs: SP3O's released `sp3o` preset. (NAME: value) names a source (docs/methods.md has the table)."""
+    prompts_per_step: int = 64  # prompts per rollout (SP3O/TPPO: 64)
+    samples_per_prompt: int = 8  # G, samples per prompt (SP3O: 8)
     critic_model: str = ""  # critic backbone (default: the policy's base model; a smaller one works too)
-    max_response_tokens: int = 8192  # response length limit; truncated responses score 0 (published: 8192)
-    temperature: float = 1.0  # rollout sampling temperature (published: 1.0)
-    top_p: float = 1.0  # rollout nucleus sampling (1.0: off)
-    lr: float = 1e-6  # policy learning rate (published: 1e-6)
-    critic_lr: float = 4e-6  # critic learning rate (published: 4e-6, SP3O's PPO baseline; verl's examples use 1e-5)
-    weight_decay: float = 0.1  # AdamW weight decay (published: 0.1, SP3O's PPO baseline; verl's default 0.01)
-    adam_betas: tuple[float, float] = (0.9, 0.98)  # AdamW betas (published: 0.9, 0.98, SP3O's PPO baseline)
-    mini_batches: int = 2  # optimizer steps per rollout per epoch (published: 2)
-    epochs: int = 1  # passes over each rollout
-    critic_epochs: int = 0  # critic passes over each rollout (0: --epochs, as published; verl's critic.ppo_epochs)
-    grad_clip: float = 1.0  # max global gradient norm (published: 1.0)
+    max_response_tokens: int = 8192  # response length limit; truncated responses score 0 (SP3O/TPPO/SPPO: 8192)
+    temperature: float = 1.0  # rollout sampling temperature (SP3O/TPPO: 1.0)
+    top_p: float = 1.0  # rollout nucleus sampling, off at 1.0 (SP3O/SPPO: 1.0)
+    lr: float = 1e-6  # policy learning rate (SP3O/TPPO/SPPO: 1e-6)
+    critic_lr: float = 4e-6  # critic learning rate (SP3O: 4e-6; verl: 1e-5)
+    weight_decay: float = 0.1  # AdamW weight decay (SP3O/SPPO: 0.1; verl: 0.01)
+    adam_betas: tuple[float, float] = (0.9, 0.98)  # AdamW betas (SP3O: 0.9, 0.98; verl: 0.9, 0.999)
+    mini_batches: int = 2  # optimizer steps per rollout per epoch (SP3O/TPPO: 2)
+    epochs: int = 1  # passes over each rollout (SP3O/SPPO/verl: 1)
+    critic_epochs: int = 0  # critic passes over each rollout (0: --epochs, as SP3O, SPPO and verl's critic.ppo_epochs)
+    grad_clip: float = 1.0  # max global gradient norm (SP3O/SPPO/verl: 1.0)
     truncated_is: Literal["auto", "on", "off"] = "auto"  # correct the engine/trainer mismatch (auto: on with vLLM)
-    tis_cap: float = 2.0  # cap of the truncated importance weights (published: 2.0, SP3O's released setting)
-    clip_low: float = 0.2  # PPO clip epsilon below 1 (published: 0.2)
-    clip_high: float = 0.2  # PPO clip epsilon above 1 (0.28 is DAPO's clip-higher; published default 0.2)
-    value_clip: float = 0.2  # critic loss clip around the rollout's values (published: 0.2)
-    gamma: float = 1.0  # GAE discount (published: 1.0)
-    lam_actor: float = 1.0  # GAE lambda of the policy's advantages (published: 1.0; VC-PPO/VAPO decouple it, e.g. 0.95)
-    lam_critic: float = 1.0  # GAE lambda of the critic's returns (published: 1.0)
-    whiten_advantages: bool = False  # normalize advantages over the batch's valid tokens (published: off; verl: on)
-    critic_warmup: int = 20  # first N rollouts train only the critic, densely; the actor waits (published: 20; verl: 0)
-    anchor_ratios: tuple[float, ...] = (0.3, 0.6, 0.9)  # response fractions (published; ablated 0.2 0.5 0.8, K=8/16)
-    anchor_placement: Literal["fixed", "random"] = "fixed"  # random: uniform ratios drawn per sample (ablation)
-    tail_ratio: float = 0.95  # an extra uncapped anchor on responses >= tail-min-len tokens (published; 0: none)
-    tail_min_len: int = 6144  # response length from which the tail anchor is added (published: 6144)
+    tis_cap: float = 2.0  # cap of the truncated importance weights (SP3O: 2.0)
+    clip_low: float = 0.2  # PPO clip epsilon below 1 (SP3O/SPPO/verl: 0.2)
+    clip_high: float = 0.2  # PPO clip epsilon above 1 (SP3O/SPPO/verl: 0.2; DAPO's clip-higher: 0.28)
+    value_clip: float = 0.2  # critic loss clip around the rollout's values (SP3O: 0.2; verl: 0.5)
+    gamma: float = 1.0  # GAE discount (SP3O/verl: 1.0)
+    lam_actor: float = 1.0  # GAE lambda of the policy's advantages (SP3O: 1.0; VC-PPO/VAPO decouple it, e.g. 0.95)
+    lam_critic: float = 1.0  # GAE lambda of the critic's returns (SP3O/verl: 1.0)
+    whiten_advantages: bool = False  # normalize advantages over the batch's valid tokens (SP3O: off; verl: on)
+    critic_warmup: int = 20  # first N rollouts train only the critic, densely; the actor waits (SP3O: 20; verl: 0)
+    anchor_ratios: tuple[float, ...] = (0.3, 0.6, 0.9)  # response fractions (SP3O: 0.3, 0.6, 0.9; ablated: K=8, 16)
+    anchor_placement: Literal["fixed", "random"] = "fixed"  # random: uniform ratios per sample (SP3O: fixed; ablation)
+    tail_ratio: float = 0.95  # an extra uncapped anchor on responses >= tail-min-len tokens, 0: none (SP3O: 0.95)
+    tail_min_len: int = 6144  # response length from which the tail anchor is added (SP3O: 6144)
     probe_every: int = 0  # critic diagnostics every N steps: critic vs Monte Carlo values on held-out prompts (0: off)
     probe_prompts: int = 16  # held-out prompts per probe, one sampled response each
     probe_continuations: int = 8  # K, Monte Carlo continuations per probed state (see infra.probes.probe_critic)
-    # actor and critic loss; seq-mean (published, SP3O's slime launcher): the mean of each sample's token mean
+    # actor and critic loss (SP3O: seq-mean; slime's default reduction): the mean of each sample's token mean
     aggregation: Literal["token-mean", "seq-mean", "sum-max-len"] = "seq-mean"
-    kl_coef: float = 0.0  # beta of the k3 KL to a frozen reference (0: no reference model is loaded)
+    kl_coef: float = 0.0  # beta of the k3 KL to a frozen reference, 0: none loaded (SP3O/SPPO/verl: 0.0)
 
 
 # The CPU demo: the settings shared by the six files (infra.cli.CONTROLLED_TINY_PRESET: rollouts of 512 samples,

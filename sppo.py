@@ -27,32 +27,32 @@ import infra.run
 
 @dataclass
 class Args(infra.cli.RunArgs):
-    """SPPO's knobs, each with its published value beside it (flags of every trainer: infra.cli.RunArgs)."""
-    prompts_per_step: int = 512  # prompts per rollout (published: 512, the released 7B script)
-    samples_per_prompt: int = 1  # samples per prompt (SPPO: 1, the critic is the baseline)
+    """SPPO's knobs: SPPO's released 7B script. (NAME: value) names a source (docs/methods.md has the table)."""
+    prompts_per_step: int = 512  # prompts per rollout (SPPO: 512)
+    samples_per_prompt: int = 1  # samples per prompt (SPPO: 1; the critic is the baseline)
     critic_model: str = ""  # critic backbone (default: the policy's base model; a smaller one works too)
-    max_response_tokens: int = 8192  # response length limit; truncated responses score 0 (published: 8192)
-    temperature: float = 0.6  # rollout sampling temperature (published: 0.6)
-    top_p: float = 1.0  # rollout nucleus sampling (1.0: off)
-    lr: float = 1e-6  # policy learning rate (published: 1e-6)
-    critic_lr: float = 1e-5  # critic learning rate (published: 5e-6 to 1e-5)
-    weight_decay: float = 0.1  # AdamW weight decay (published: 0.1, SP3O's PPO baseline; verl's default 0.01)
-    adam_betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas (published: verl's default 0.9, 0.999)
-    mini_batches: int = 16  # actor and critic optimizer steps per rollout per epoch (published: 16, of 32 prompts)
-    epochs: int = 1  # passes over each rollout
-    critic_epochs: int = 0  # critic passes over each rollout (0: --epochs, as published; verl's critic.ppo_epochs)
-    grad_clip: float = 1.0  # max global gradient norm (published: 1.0)
+    max_response_tokens: int = 8192  # response length limit; truncated responses score 0 (SP3O/TPPO/SPPO: 8192)
+    temperature: float = 0.6  # rollout sampling temperature (SPPO: 0.6)
+    top_p: float = 1.0  # rollout nucleus sampling, off at 1.0 (SP3O/SPPO: 1.0)
+    lr: float = 1e-6  # policy learning rate (SP3O/TPPO/SPPO: 1e-6)
+    critic_lr: float = 1e-5  # critic learning rate (SPPO: 1e-5; 5e-6 in its 1.5B script)
+    weight_decay: float = 0.1  # AdamW weight decay (SP3O/SPPO: 0.1; verl: 0.01)
+    adam_betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas (SPPO/verl: 0.9, 0.999)
+    mini_batches: int = 16  # actor and critic optimizer steps per rollout per epoch (SPPO: 16; 32 prompts each)
+    epochs: int = 1  # passes over each rollout (SP3O/SPPO/verl: 1)
+    critic_epochs: int = 0  # critic passes over each rollout (0: --epochs, as SP3O, SPPO and verl's critic.ppo_epochs)
+    grad_clip: float = 1.0  # max global gradient norm (SP3O/SPPO/verl: 1.0)
     truncated_is: Literal["auto", "on", "off"] = "auto"  # correct the engine/trainer mismatch (auto: on with vLLM)
-    tis_cap: float = 2.0  # cap of the truncated importance weights (published: 2.0, SP3O's released setting)
-    clip_low: float = 0.2  # PPO clip epsilon below 1 (published: 0.2)
-    clip_high: float = 0.2  # PPO clip epsilon above 1 (0.28 is DAPO's clip-higher; published default 0.2)
-    dual_clip: float = 3.0  # for A < 0 cap the token loss at -A * dual_clip (released code: 3.0; 0: off)
-    critic_warmup: int = 0  # first N rollouts train only the critic, the actor frozen (published: 0)
+    tis_cap: float = 2.0  # cap of the truncated importance weights (SP3O: 2.0)
+    clip_low: float = 0.2  # PPO clip epsilon below 1 (SP3O/SPPO/verl: 0.2)
+    clip_high: float = 0.2  # PPO clip epsilon above 1 (SP3O/SPPO/verl: 0.2; DAPO's clip-higher: 0.28)
+    dual_clip: float = 3.0  # for A < 0 cap the token loss at -A * dual_clip, 0: off (SPPO/verl: 3.0)
+    critic_warmup: int = 0  # first N rollouts train only the critic, the actor frozen (SPPO: 0)
     probe_every: int = 0  # critic diagnostics every N steps: critic vs Monte Carlo values on held-out prompts (0: off)
     probe_prompts: int = 16  # held-out prompts per probe, one sampled response each
     probe_continuations: int = 8  # K, Monte Carlo continuations per probed state (see infra.probes.probe_critic)
-    aggregation: Literal["token-mean", "seq-mean", "sum-max-len"] = "token-mean"  # actor loss (verl's default)
-    kl_coef: float = 0.0  # beta of the k3 KL to a frozen reference (0: no reference model is loaded)
+    aggregation: Literal["token-mean", "seq-mean", "sum-max-len"] = "token-mean"  # actor loss (SPPO/verl: token-mean)
+    kl_coef: float = 0.0  # beta of the k3 KL to a frozen reference, 0: none loaded (SP3O/SPPO/verl: 0.0)
 
 
 # The CPU demo: the settings shared by the six files (infra.cli.CONTROLLED_TINY_PRESET: rollouts of 512 samples,

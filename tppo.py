@@ -29,41 +29,41 @@ import infra.run
 
 @dataclass
 class Args(infra.cli.RunArgs):
-    """TPPO's knobs, each with its published value beside it (flags of every trainer: infra.cli.RunArgs)."""
-    prompts_per_step: int = 64  # prompts per rollout (published: 64)
-    samples_per_prompt: int = 8  # G, samples per prompt (published: 8)
+    """TPPO's knobs: its Table 5 (math), else verl's defaults. (NAME: value) names a source (docs/methods.md)."""
+    prompts_per_step: int = 64  # prompts per rollout (SP3O/TPPO: 64)
+    samples_per_prompt: int = 8  # G, samples per prompt (SP3O: 8)
     critic_model: str = ""  # critic backbone (default: the policy's base model; a smaller one works too)
-    max_response_tokens: int = 8192  # response length limit; truncated responses score 0 (published: 8192)
-    temperature: float = 1.0  # rollout sampling temperature (published: 1.0)
-    top_p: float = 0.95  # rollout nucleus sampling (published: 0.95, TPPO's Table 5 for math; 1.0: off)
-    lr: float = 1e-6  # policy learning rate (published: 1e-6)
-    critic_lr: float = 1e-5  # critic learning rate (not published for TPPO; verl's 1e-5)
-    weight_decay: float = 0.01  # AdamW weight decay (not published for TPPO; verl's default 0.01)
-    adam_betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas (not published for TPPO; verl's default 0.9, 0.999)
-    mini_batches: int = 2  # optimizer steps per rollout per epoch (published: 2, mini-batches of 32 prompts)
-    epochs: int = 1  # passes over each rollout
-    critic_epochs: int = 0  # critic passes over each rollout (0: --epochs, as published; verl's critic.ppo_epochs)
-    grad_clip: float = 1.0  # max global gradient norm (not published for TPPO; verl's default 1.0)
+    max_response_tokens: int = 8192  # response length limit; truncated responses score 0 (SP3O/TPPO/SPPO: 8192)
+    temperature: float = 1.0  # rollout sampling temperature (SP3O/TPPO: 1.0)
+    top_p: float = 0.95  # rollout nucleus sampling, off at 1.0 (TPPO: 0.95; Table 5, math)
+    lr: float = 1e-6  # policy learning rate (SP3O/TPPO/SPPO: 1e-6)
+    critic_lr: float = 1e-5  # critic learning rate (verl: 1e-5; not in TPPO's paper)
+    weight_decay: float = 0.01  # AdamW weight decay (verl: 0.01; not in TPPO's paper)
+    adam_betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas (verl: 0.9, 0.999; not in TPPO's paper)
+    mini_batches: int = 2  # optimizer steps per rollout per epoch (SP3O/TPPO: 2)
+    epochs: int = 1  # passes over each rollout (SP3O/SPPO/verl: 1)
+    critic_epochs: int = 0  # critic passes over each rollout (0: --epochs, as SP3O, SPPO and verl's critic.ppo_epochs)
+    grad_clip: float = 1.0  # max global gradient norm (SP3O/SPPO/verl: 1.0)
     truncated_is: Literal["auto", "on", "off"] = "auto"  # correct the engine/trainer mismatch (auto: on with vLLM)
-    tis_cap: float = 2.0  # cap of the truncated importance weights (published: 2.0, SP3O's released setting)
-    clip_low: float = 0.2  # PPO clip epsilon below 1 (not published for TPPO; PPO's 0.2)
-    clip_high: float = 0.2  # PPO clip epsilon above 1 (0.28 is DAPO's clip-higher; published default 0.2)
-    # z_0 from the increments' head (main variant) or a second output
+    tis_cap: float = 2.0  # cap of the truncated importance weights (SP3O: 2.0)
+    clip_low: float = 0.2  # PPO clip epsilon below 1 (SP3O/SPPO/verl: 0.2)
+    clip_high: float = 0.2  # PPO clip epsilon above 1 (SP3O/SPPO/verl: 0.2; DAPO's clip-higher: 0.28)
+    # z_0 from the increments' head or a second output (TPPO: shared; the paper's main variant)
     critic_head: Literal["shared", "separate"] = "shared"
-    gamma: float = 1.0  # GAE discount (published: 1.0)
+    gamma: float = 1.0  # GAE discount (SP3O/verl: 1.0)
     # GAE lambda of the policy's advantages. The paper ablates 1, 0.95 and 0 and does not publish its default; 0.95
     # (VC-PPO's decoupled GAE, lam_critic = 1) lets the tracked value changes V_{t+1} - V_t shape the advantage,
     # which is what this critic is built to get right; 1 (ppo.py's) uses the critic only as a baseline
     # (A_t = R - V_t), 0 trusts it alone.
     lam_actor: float = 0.95
-    lam_critic: float = 1.0  # GAE lambda of the critic's returns (published: 1.0)
-    whiten_advantages: bool = True  # normalize advantages over the batch's valid tokens (not published; verl: on)
-    critic_warmup: int = 0  # first N rollouts train only the critic, the actor frozen (not published; verl: 0)
+    lam_critic: float = 1.0  # GAE lambda of the critic's returns (SP3O/verl: 1.0)
+    whiten_advantages: bool = True  # normalize advantages over the batch's valid tokens (verl: on; not in TPPO's paper)
+    critic_warmup: int = 0  # first N rollouts train only the critic, the actor frozen (verl: 0; not in TPPO's paper)
     probe_every: int = 0  # critic diagnostics every N steps: critic vs Monte Carlo values on held-out prompts (0: off)
     probe_prompts: int = 16  # held-out prompts per probe, one sampled response each
     probe_continuations: int = 8  # K, Monte Carlo continuations per probed state (see infra.probes.probe_critic)
-    aggregation: Literal["token-mean", "seq-mean", "sum-max-len"] = "token-mean"  # actor loss (verl's default)
-    kl_coef: float = 0.0  # beta of the k3 KL to a frozen reference (0: no reference model is loaded)
+    aggregation: Literal["token-mean", "seq-mean", "sum-max-len"] = "token-mean"  # actor loss (verl: token-mean)
+    kl_coef: float = 0.0  # beta of the k3 KL to a frozen reference, 0: none loaded (SP3O/SPPO/verl: 0.0)
 
 
 # The CPU demo: the settings shared by the six files (infra.cli.CONTROLLED_TINY_PRESET: rollouts of 512 samples,
