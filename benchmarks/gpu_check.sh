@@ -1,51 +1,55 @@
 #!/usr/bin/env bash
-# The GPU check of the vLLM path, for a fresh Linux machine with one CUDA GPU and PyPI in reach. UNVERIFIED: no GPU
-# was lent while it was written; its CPU-checkable parts are tested (tests/test_gpu_check.py).
+# The GPU check, for a bare offline machine with one CUDA GPU (an H100 or H200 with PyTorch and transformers
+# installed, no network, the working tree and at most 64 MiB beside it). NOT YET RUN ON A GPU: its CPU version runs
+# in the slow tests (tests/test_gpu_check.py).
 #
-#     bash benchmarks/gpu_check.sh [RUN_DIR]              # default RUN_DIR: runs/gpu_check
-#     PYTHON=/path/to/python bash benchmarks/gpu_check.sh  # an environment that already has requirements-vllm.txt
-#     GENERATOR=hf PYTHON=python3 bash benchmarks/gpu_check.sh  # no vLLM: the Hugging Face engine, requirements.txt
+#     bash benchmarks/gpu_wheels.sh                  # here, beforehand (PyPI): the missing wheels into .gpu-wheels
+#     bash benchmarks/gpu_check.sh --out $OUT        # there (the device tool: carry [".gpu-wheels"]), ~6 min
+#     bash benchmarks/gpu_check.sh --device cpu      # anywhere: the same check scaled down, ~5.5 min on 2 cores
+#     bash benchmarks/gpu_check.sh --out $OUT -- --parts trainers compare   # some parts only (gpu_check.py --help)
 #
-# 1. installs requirements-vllm.txt (vllm==0.32.0, CUDA) into .venv-gpu, unless PYTHON is given;
-# 2. builds a random model of Qwen3-0.6B's shape from its config (benchmarks/gpu_check.py: nothing downloaded);
-# 3. runs each of the six trainers 3 steps on it with --generator $GENERATOR (vllm: sleep mode on), 16 prompts,
-#    256-token responses, an evaluation of 32 problems x 1 sample at the first and last step, bf16 compute
-#    (the flags: benchmarks/gpu_check.py RUN_FLAGS);
-# 4. runs benchmarks/bench_update.py on the same shape (update tokens/s and MFU, bf16);
-# 5. prints one table (benchmarks/gpu_check.py table). Aimed at under 10 minutes; each run is cut at 150 s.
+# 1. Packages: nothing is installed when `import torch, transformers, tyro, math_verify` works. Else the wheels in
+#    --wheels (default .gpu-wheels) go into a folder of their own (pip install --no-index --no-deps --target), put
+#    first on PYTHONPATH; --force-wheels installs them even when the imports work (a check of the folder).
+# 2. python benchmarks/gpu_check.py --device DEVICE --out OUT: the six trainers 3 steps in bf16 on the tiny model,
+#    --offload-optimizer and --resume against a straight run, a Qwen3-0.6B-shaped update at 4,096 and 8,192 tokens
+#    against the memory plan; what each asserts: its docstring. It prints one table and writes gpu_check.md,
+#    gpu_check.json and gpu_check.log to OUT. Cut at 570 s on a GPU (the device tool allows 600 s a command).
+# Exit status: 0 when every check passed, 1 when one failed, 2 on a bad flag, 124 when cut.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-RUN_DIR=${1:-runs/gpu_check}
-GENERATOR=${GENERATOR:-vllm}
-mkdir -p "$RUN_DIR"
-start=$SECONDS
-if [ -z "${PYTHON:-}" ]; then
-    python3 -m venv .venv-gpu
-    .venv-gpu/bin/pip install -q --upgrade pip
-    .venv-gpu/bin/pip install -q -r requirements-vllm.txt || { echo "installing requirements-vllm.txt failed"; exit 1; }
-    PYTHON=.venv-gpu/bin/python
-fi
-export PYTHONUNBUFFERED=1
-if [ "$GENERATOR" = vllm ]; then
-    "$PYTHON" -c "import vllm; print('vllm', vllm.__version__)" || exit 1
-fi
-"$PYTHON" -c "import torch, transformers; assert torch.cuda.is_available(), 'no CUDA GPU'; print('torch', \
-torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" || exit 1
-echo "installed in $((SECONDS - start)) s"
-"$PYTHON" benchmarks/gpu_check.py model "$RUN_DIR/model" > /dev/null || exit 1
-echo "model built at $((SECONDS - start)) s"
-
-for trainer in $("$PYTHON" benchmarks/gpu_check.py trainers); do  # every trainer file, forks too
-    rm -rf "$RUN_DIR/runs/$trainer"
-    began=$SECONDS
-    mapfile -t flags < <("$PYTHON" benchmarks/gpu_check.py flags "$trainer" "$RUN_DIR" "$GENERATOR")
-    timeout 150 "$PYTHON" "$trainer.py" "${flags[@]}" > "$RUN_DIR/$trainer.log" 2>&1
-    status=$?
-    echo "$status $((SECONDS - began))" > "$RUN_DIR/$trainer.exit"  # exit status, wall seconds
-    rm -rf "$RUN_DIR/runs/$trainer/checkpoints"  # float32 weights and Adam states of 0.6B: several GB per run
-    echo "$trainer.py: exit $status after $((SECONDS - began)) s (log: $RUN_DIR/$trainer.log)"
+DEVICE=cuda OUT=runs/gpu_check/out WHEELS=.gpu-wheels FORCE_WHEELS=0 PYTHON=${PYTHON:-python3}
+usage="usage: bash benchmarks/gpu_check.sh [--device cuda|cpu] [--out DIR] [--wheels DIR] [--force-wheels] \
+[-- gpu_check.py's flags, e.g. --parts trainers compare]"
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --device) DEVICE=${2:?$usage}; shift 2 ;;
+        --out) OUT=${2:?$usage}; shift 2 ;;
+        --wheels) WHEELS=${2:?$usage}; shift 2 ;;
+        --force-wheels) FORCE_WHEELS=1; shift ;;
+        --) shift; break ;;
+        *) echo "$usage" >&2; exit 2 ;;
+    esac
 done
-timeout 120 "$PYTHON" benchmarks/bench_update.py --device cuda --models qwen3-0.6b-shape --min-seconds 5 \
-    > "$RUN_DIR/bench_update.txt" 2>&1
-echo "total $((SECONDS - start)) s"
-"$PYTHON" benchmarks/gpu_check.py table "$RUN_DIR"
+case "$DEVICE" in cuda) LIMIT=570 ;; cpu) LIMIT=1800 ;; *) echo "$usage" >&2; exit 2 ;; esac
+start=$SECONDS
+imports="import torch, transformers, tyro, math_verify"
+if [ "$FORCE_WHEELS" = 1 ] || ! "$PYTHON" -c "$imports" 2>/dev/null; then
+    if ! ls "$WHEELS"/*.whl > /dev/null 2>&1; then
+        echo "gpu_check: '$imports' fails and $WHEELS holds no wheels: run bash benchmarks/gpu_wheels.sh where PyPI" \
+             "is in reach, and carry $WHEELS" >&2
+        exit 1
+    fi
+    SITE=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_site.XXXXXX")
+    PIP_ROOT_USER_ACTION=ignore "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --target "$SITE" "$WHEELS"/*.whl || { echo "gpu_check: installing the wheels of $WHEELS failed" >&2; exit 1; }
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    "$PYTHON" -c "$imports" || { echo "gpu_check: '$imports' fails after installing $WHEELS" >&2; exit 1; }
+    echo "installed $(ls "$WHEELS"/*.whl | wc -l) wheels from $WHEELS into $SITE in $((SECONDS - start)) s"
+fi
+"$PYTHON" -c "import tyro, math_verify; print('tyro', tyro.__version__, 'from', tyro.__file__)"
+export PYTHONUNBUFFERED=1
+timeout "$LIMIT" "$PYTHON" benchmarks/gpu_check.py --device "$DEVICE" --out "$OUT" "$@"
+status=$?
+echo "gpu_check.sh: exit $status after $((SECONDS - start)) s; table and figures in $OUT"
+exit $status
