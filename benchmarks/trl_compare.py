@@ -6,6 +6,17 @@
     OMP_NUM_THREADS=1 python benchmarks/trl_compare.py --shape qwen3-0.6b --layers 2 --max-tokens 64 --pairs 2 \
         --rollouts 1 --warmup 0 --trl-python <a venv with trl>/bin/python       # real widths (docs/scaling.md)
 
+    OMP_NUM_THREADS=1 python benchmarks/trl_compare.py --model smollm2-135m-instruct --trl-python <venv>/bin/python \
+        --vllm-python <vLLM venv>/bin/python       # a real model: tokens/s of rollout and update, five sides
+
+--model smollm2-135m-instruct: the real model (infra/gguf_model.py), 8 prompts of 1-digit additions (`builtin:1`,
+the project's boxed instruction in the model's chat template, the same user message on both sides) x 4 samples of at
+most --max-tokens (64) response tokens, one optimizer step per rollout of 4 micro-batches of 8 rows, no gradient
+checkpointing. The model stops at <|im_end|>, so responses differ in length between runs: each side reports tokens
+per second (response tokens over the rollout's seconds, and over the update's), run by run: the project with the HF
+engine in float32 and in bf16 autocast (`--dtype bfloat16`), the project with vLLM's CPU build (--vllm-python), TRL
+in float32 and with bf16 autocast (`bf16=True` over float32 weights). One run per side (--pairs repeats them).
+
 --shape qwen3-0.6b: a random model of Qwen3-0.6B's shape (--layers of its 28), saved once with save_pretrained beside
 the built-in tokenizer and loaded by both sides with from_pretrained; 8 prompts x 4 samples, --max-tokens response
 tokens (it never stops), one optimizer step per rollout, bf16 on both: the project in autocast over float32 weights
@@ -49,7 +60,14 @@ LR = 1e-4
 # The work per rollout of each --shape: prompts x samples, response tokens (a random model never stops: all run to
 # the limit), optimizer steps per rollout; --max-tokens replaces the response length.
 WORK = {"tiny": dict(prompts=16, samples=8, max_tokens=48, mini_batches=2),
-        "qwen3-0.6b": dict(prompts=8, samples=4, max_tokens=1024, mini_batches=1)}
+        "qwen3-0.6b": dict(prompts=8, samples=4, max_tokens=1024, mini_batches=1),
+        "smollm2-135m-instruct": dict(prompts=8, samples=4, max_tokens=64, mini_batches=1, real=True)}
+# 8 rows per forward/backward, as TRL's side. --gpu-memory-gib 80: the memory plan of this session planned 1,024
+# prompt tokens per row and refused the run on a busy machine (a CPU run then skips the host check)
+REAL_PROJECT_ARGS = "--micro-batch-size 8 --micro-batch-tokens 0 --gpu-memory-gib 80"
+REAL_SIDES = [("project", "hf, float32", "--dtype float32"), ("project", "hf, bf16 autocast", "--dtype bfloat16"),
+              ("vllm", "vLLM CPU, float32", "--generator vllm --dtype float32"), ("trl", "TRL, float32", "float32"),
+              ("trl", "TRL, bf16 autocast", "bfloat16")]
 
 
 def save_rehearsal_model(layers, directory):
@@ -79,10 +97,12 @@ def project_side(rollouts, seed, extra, work, model="tiny"):
     def timed_end_step(self, step, metrics):
         ends.append(time.perf_counter())
         cpu_ends.append(time.process_time())
-        phases.append((metrics["rollout_s"], metrics["update_s"]))
+        phases.append((metrics["rollout_s"], metrics["update_s"],
+                       metrics["response_length"] * work["prompts"] * work["samples"]))
         return end_step(self, step, metrics)
 
     infra.run.Run.end_step = timed_end_step
+    real = work.get("real", False)
     with tempfile.TemporaryDirectory() as output_dir:
         sys.argv = ["grpo.py", "--model", model, "--steps", str(rollouts + 1), "--seed", str(seed),
                     "--prompts-per-step", str(work["prompts"]), "--samples-per-prompt", str(work["samples"]),
@@ -90,11 +110,14 @@ def project_side(rollouts, seed, extra, work, model="tiny"):
                     "--mini-batches", str(work["mini_batches"]),
                     "--aggregation", "token-mean", "--kl-coef", "0",
                     "--no-gradient-checkpointing", "--eval-problems", "8", "--eval-every", "0", "--save-every", "0",
-                    "--dataset", "builtin:3", "--output-dir", output_dir,
-                    *([] if model == "tiny" else ["--eval-n", "1", "--eval-max-tokens", "8"]), *extra]  # (untimed)
+                    "--dataset", "builtin:1" if real else "builtin:3", "--output-dir", output_dir,
+                    *([] if model == "tiny" else ["--eval-n", "1", "--eval-max-tokens", "8"]),
+                    *(["--eval-datasets", "builtin", "--eval-problems", "2"] if real else []), *extra]  # (untimed)
         grpo.main()
     print(json.dumps(dict(seconds=differences(ends), cpu_seconds=differences(cpu_ends),
-                          rollout=[p[0] for p in phases[1:]], update=[p[1] for p in phases[1:]])))
+                          rollout=[p[0] for p in phases[1:]], update=[p[1] for p in phases[1:]],
+                          rollout_tokens_per_s=[p[2] / p[0] for p in phases[1:]],
+                          update_tokens_per_s=[p[2] / p[1] for p in phases[1:]])))
 
 
 def trl_side(rollouts, seed, micro_batch, work, model_path="", dtype="float32"):
@@ -111,16 +134,22 @@ def trl_side(rollouts, seed, micro_batch, work, model_path="", dtype="float32"):
 
     import common
     from infra.tiny import builtin_rows, tiny_model_path
+    real = work.get("real", False)
     path = model_path or tiny_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
-    rows = builtin_rows("train", prompts * (rollouts + 2), seed, digits=3)
-    dataset = Dataset.from_list([{"prompt": common.plain_prompt(row["question"]), "answer": row["answer"]}
-                                 for row in rows])  # the tiny tokenizer has no chat template: grpo.py's prompt
+    # a real model: float32 weights, bf16 autocast in TRL's forward passes with dtype bfloat16 (its bf16=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if real else getattr(torch, dtype))
+    rows = builtin_rows("train", prompts * (rollouts + 2), seed, digits=1 if real else 3)
+    dataset = Dataset.from_list([{  # a chat model: grpo.py's user message, in its chat template (TRL applies it)
+        "prompt": [{"role": "user", "content": f"{row['question']}\n{common.INSTRUCTION}"}] if real else
+        common.plain_prompt(row["question"]), "answer": row["answer"]} for row in rows])
+    tokens = []  # response tokens of each rollout
 
     def reward(completions, completion_ids, answer, **_):  # 0 for a response cut at the length limit, as grpo.py
+        tokens.append(sum(len(ids) for ids in completion_ids))
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         return [common.score(text, {"answer": gold}) if tokenizer.eos_token_id in ids else 0.0
-                for text, ids, gold in zip(completions, completion_ids, answer)]
+                for text, ids, gold in zip(texts, completion_ids, answer)]
 
     ends, cpu_ends, generation = [], [], []
     generate_and_score = GRPOTrainer._generate_and_score_completions
@@ -141,7 +170,8 @@ def trl_side(rollouts, seed, micro_batch, work, model_path="", dtype="float32"):
     accumulation = prompts * samples // mini_batches // micro_batch  # micro-batches per optimizer step
     with tempfile.TemporaryDirectory() as output_dir:
         config = GRPOConfig(
-            output_dir=output_dir, use_cpu=True, bf16=bool(model_path), seed=seed, report_to="none", save_strategy="no",
+            output_dir=output_dir, use_cpu=True, bf16=dtype == "bfloat16" if real else bool(model_path), seed=seed,
+            report_to="none", save_strategy="no",
             disable_tqdm=True, per_device_train_batch_size=micro_batch, gradient_accumulation_steps=accumulation,
             steps_per_generation=mini_batches * accumulation, num_generations=samples,
             num_iterations=1, max_completion_length=max_tokens, temperature=1.0, top_p=1.0, top_k=0,
@@ -153,8 +183,11 @@ def trl_side(rollouts, seed, micro_batch, work, model_path="", dtype="float32"):
                               processing_class=tokenizer, callbacks=[Clock()])
         trainer.train()
     last = slice(mini_batches - 1, None, mini_batches)  # the end of each rollout's last optimizer step
-    print(json.dumps(dict(seconds=differences(ends[last]), cpu_seconds=differences(cpu_ends[last]),
-                          rollout=generation[1:len(ends[last])])))
+    seconds, rollout = differences(ends[last]), generation[1:len(ends[last])]
+    update = [total - sampling for total, sampling in zip(seconds, rollout)]
+    print(json.dumps(dict(seconds=seconds, cpu_seconds=differences(cpu_ends[last]), rollout=rollout,
+                          update=update, rollout_tokens_per_s=[n / t for n, t in zip(tokens[1:], rollout)],
+                          update_tokens_per_s=[n / t for n, t in zip(tokens[1:], update)])))
 
 
 def differences(times):
@@ -164,9 +197,9 @@ def differences(times):
 def run_side(python, side, args):
     command = [python, os.path.abspath(__file__), "--side", side, "--rollouts", str(args.rollouts),
                "--seed", str(args.seed), "--shape", args.shape, "--max-tokens", str(args.max_tokens),
-               f"--model-path={args.model_path}"] + ([f"--project-args={args.project_args}"] if side == "project"
-                                                     else ["--trl-micro-batch", str(args.trl_micro_batch),
-                                                           "--trl-dtype", args.trl_dtype])
+               f"--model={args.model}", f"--model-path={args.model_path}"] + (
+        [f"--project-args={args.project_args}"] if side == "project" else
+        ["--trl-micro-batch", str(args.trl_micro_batch), "--trl-dtype", args.trl_dtype])
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -197,25 +230,33 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=0, help="response tokens (tiny: 48, qwen3-0.6b: 1,024)")
     parser.add_argument("--trl-dtype", choices=["bfloat16", "float32"], default="bfloat16", help="qwen3-0.6b: TRL's "
                         "weights (bfloat16: pure bf16, its fastest on CPU; float32: bf16 autocast in its loss only)")
+    parser.add_argument("--model", choices=["", "smollm2-135m-instruct"], default="",
+                        help="a real model instead of --shape: tokens/s of rollout and update, project (HF float32, HF "
+                        "bf16, vLLM) and TRL (float32, bf16), 8 prompts x 4 samples x --max-tokens (64)")
+    parser.add_argument("--vllm-python", default="", help="--model: a python with vLLM's CPU build (its own venv); "
+                        "empty: the vLLM side is left out")
     parser.add_argument("--side", choices=["project", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--model-path", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    rehearsal = args.shape != "tiny"
-    work = dict(WORK[args.shape], **({"max_tokens": args.max_tokens} if args.max_tokens else {}))
+    rehearsal = args.shape != "tiny" and not args.model
+    work = dict(WORK[args.model or args.shape], **({"max_tokens": args.max_tokens} if args.max_tokens else {}))
     args.max_tokens = work["max_tokens"]
     if args.project_args is None:
-        args.project_args = REHEARSAL_PROJECT_ARGS if rehearsal else "--micro-batch-tokens 1600"
-    args.trl_micro_batch = args.trl_micro_batch or (8 if rehearsal else 64)
+        args.project_args = REAL_PROJECT_ARGS if args.model else REHEARSAL_PROJECT_ARGS if rehearsal else \
+            "--micro-batch-tokens 1600"
+    args.trl_micro_batch = args.trl_micro_batch or (8 if rehearsal or args.model else 64)
     if args.side == "project":
         return project_side(args.rollouts, args.seed, shlex.split(args.project_args), work,
                             args.model_path or "tiny")
     if args.side == "trl":
         return trl_side(args.rollouts, args.seed, args.trl_micro_batch, work, args.model_path,
-                        args.trl_dtype if rehearsal else "float32")
+                        args.trl_dtype if rehearsal or args.model else "float32")
     check = subprocess.run([args.trl_python, "-c", "import trl; print(trl.__version__)"], capture_output=True,
                            text=True)
     if check.returncode:
         sys.exit(f"{args.trl_python} cannot import trl: pip install trl==1.16.0 (or pass --trl-python)")
+    if args.model:
+        return compare_real(args)
     if rehearsal:
         model_dir = tempfile.TemporaryDirectory()
         args.model_path = model_dir.name
@@ -242,6 +283,39 @@ def main():
     for clock, values in ratios.items():
         print(f"TRL/project, {clock} time per rollout: median {statistics.median(values):.2f}, min {min(values):.2f}, "
               f"max {max(values):.2f} over {len(values)} pairs")
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
+def compare_real(args):
+    """--model: each of REAL_SIDES once per pair (in reverse order every second pair) on the real model's converted
+    folder (converted here if needed; the other environments read the folder), then a table of the medians over the
+    pairs."""
+    sys.path.insert(0, ROOT)
+    from infra.hub import resolve_model_name
+    args.model_path = resolve_model_name(args.model)
+    base, results = args.project_args, {}
+    print(f"{args.model} ({args.model_path}); 8 prompts x 4 samples x up to {args.max_tokens} tokens, one optimizer "
+          f"step per rollout; grpo.py {base}; TRL micro-batch {args.trl_micro_batch}; {args.pairs} pair(s) x "
+          f"{args.rollouts} rollouts (first {args.warmup} dropped), 1 thread each; load average "
+          f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} cores", flush=True)
+    for pair in range(args.pairs):
+        for side, name, flags in REAL_SIDES if pair % 2 == 0 else REAL_SIDES[::-1]:  # the order alternates
+            if side == "vllm" and not args.vllm_python:
+                continue
+            if side == "trl":
+                args.trl_dtype = flags
+            else:
+                args.project_args = f"{base} {flags}" + (" --vllm-kv-cache-gib 1" if side == "vllm" else "")
+            python = {"project": sys.executable, "vllm": args.vllm_python, "trl": args.trl_python}[side]
+            result = run_side(python, "trl" if side == "trl" else "project", args)
+            results.setdefault(name, []).append(result)
+            print(f"{name:<20} rollout {result['rollout_tokens_per_s']:6.1f} tok/s ({result['rollout']:.1f} s), "
+                  f"update {result['update_tokens_per_s']:6.1f} tok/s ({result['update']:.1f} s), "
+                  f"{result['seconds']:.1f} s per rollout; load average {os.getloadavg()[0]:.2f}", flush=True)
+    print("| side | rollout tokens/s | update tokens/s | s per rollout |\n| --- | --- | --- | --- |")
+    for name, runs in results.items():
+        print(f"| {name} | " + " | ".join(f"{statistics.median(r[key] for r in runs):.1f}" for key in
+                                         ("rollout_tokens_per_s", "update_tokens_per_s", "seconds")) + " |")
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 

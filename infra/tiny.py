@@ -1,14 +1,15 @@
 """The built-in task (N-digit addition worked digit by digit, answer in \\boxed{}; N = 6 unless `builtin:N`, or
 each problem's N drawn from A to B with `builtin:A-B`; `builtin:early`: 6-digit problems with one carry, after the
-units column) and the built-in tiny model (a 2-layer Qwen3 with a character
-tokenizer, supervised on that task with a carry habit), shipped in models/tiny/ as a Hugging Face checkpoint that
-loads through from_pretrained like any other model. `python -m infra.tiny [DIR]` builds a new one (1,200 supervised
-steps: 20 minutes on a busy CPU core) and prints its accuracy.
+units column; `builtin:words`: one-step word problems for a real chat model, below) and the built-in tiny model (a
+2-layer Qwen3 with a character tokenizer, supervised on that task with a carry habit), shipped in models/tiny/ as a
+Hugging Face checkpoint that loads through from_pretrained like any other model. `python -m infra.tiny [DIR]` builds
+a new one (1,200 supervised steps: 20 minutes on a busy CPU core) and prints its accuracy.
 """
 import json
 import os
 import random
 import shutil
+import zlib
 
 import torch
 
@@ -90,9 +91,46 @@ def carry_habit(rng):
     return lambda total: rng.random() < 0.95 - 0.125 * (total - 10)
 
 
+# `builtin:words`, the real-model demo's task (docs/real_model.md): one-step word problems, half additions ("gives N
+# more"), half subtractions ("gives N of them to"), asked after one worked example in the chat (one-shot), so that a
+# small chat model (SmolLM2-135M-Instruct) answers in its format about 4 times in 5 and is right about 1 time in 6 at
+# temperature 1. Held out: about 1 problem in 8 (a hash of its text).
+WORD_NAMES = ("Tom", "Anna", "Sam", "Lily", "Ben", "Mia", "Leo", "Emma")
+WORD_THINGS = ("apples", "books", "cookies", "pencils", "stickers", "marbles", "cards", "shells")
+WORD_INSTRUCTION = "Put your final answer within \\boxed{}."
+WORD_EXAMPLE = ("Lily has 3 books. Ben gives Lily 6 more books. How many books does Lily have now?",
+                "Lily has 3 + 6 = 9 books. The answer is \\boxed{9}.")
+
+
+def word_problem(rng, split):
+    """A `builtin:words` row: the question as chat messages (the worked example, then the problem)."""
+    while True:
+        name, other = rng.sample(WORD_NAMES, 2)
+        thing = rng.choice(WORD_THINGS)
+        if rng.random() < 0.5:
+            a, b = rng.randint(2, 9), rng.randint(2, 9)
+            question = f"{name} has {a} {thing}. {other} gives {name} {b} more {thing}. How many {thing} does {name} " \
+                       f"have now?"
+            answer = a + b
+        else:
+            a = rng.randint(5, 15)
+            b = rng.randint(1, a - 1)
+            question = f"{name} has {a} {thing} and gives {b} of them to {other}. How many {thing} does {name} " \
+                       f"have left?"
+            answer = a - b
+        if (zlib.crc32(question.encode()) % 8 == 0) == (split == "test"):
+            messages = [{"role": "user", "content": f"{WORD_EXAMPLE[0]} {WORD_INSTRUCTION}"},
+                        {"role": "assistant", "content": WORD_EXAMPLE[1]},
+                        {"role": "user", "content": f"{question} {WORD_INSTRUCTION}"}]
+            return {"question": messages, "answer": str(answer)}
+
+
 def builtin_rows(split, n, seed, digits=DIGITS):
     """n problems of `digits` digits, or of (low, high): each problem's digits drawn uniformly from low..high, or
-    with digits "early" the early_problem task."""
+    with digits "early" the early_problem task, "words" the word_problem task."""
+    if digits == "words":
+        rng = random.Random(f"{split}-{seed}-words")
+        return [word_problem(rng, split) for _ in range(n)]
     if digits == "early":
         rng = random.Random(f"{split}-{seed}-early")
         return [early_problem(rng, split) for _ in range(n)]

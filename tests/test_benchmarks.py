@@ -23,10 +23,13 @@ def test_trl_compare_times_whole_steps_and_their_phases():
     grpo.py logged for that step, which lie inside it."""
     printed = run_script("benchmarks/trl_compare.py", "--side", "project", "--rollouts", "3")
     timings = json.loads([line for line in printed.splitlines() if line.startswith("{")][-1])
-    assert {key: len(values) for key, values in timings.items()} == dict(seconds=3, cpu_seconds=3, rollout=3, update=3)
-    steps = zip(timings["seconds"], timings["cpu_seconds"], timings["rollout"], timings["update"])
-    for seconds, cpu_seconds, rollout, update in steps:
+    assert {key: len(values) for key, values in timings.items()} == dict(
+        seconds=3, cpu_seconds=3, rollout=3, update=3, rollout_tokens_per_s=3, update_tokens_per_s=3)
+    steps = zip(timings["seconds"], timings["cpu_seconds"], timings["rollout"], timings["update"],
+                timings["rollout_tokens_per_s"], timings["update_tokens_per_s"])
+    for seconds, cpu_seconds, rollout, update, rollout_speed, update_speed in steps:
         assert rollout > 0 and update > 0 and rollout + update < seconds + 0.01  # two clocks: 10 ms of slack
+        assert rollout_speed > 0 and update_speed > 0
         assert 0 < cpu_seconds < 2 * seconds  # one torch thread: CPU time stays near the wall time, never twice it
 
 
