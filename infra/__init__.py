@@ -1,19 +1,27 @@
 """Plumbing the trainers share and a reader of a method file may skip: each module owns one concern.
 
-    cli.py         the command line: RunArgs (the run flags every trainer shares), the CPU demo's preset, checks,
+    cli.py         the command line: RunArgs (the run flags every trainer shares), the CPU demo's preset, parsing,
                    and the trainers found at the repository root (forks included)
-    run.py         Run: the loop's plumbing (evaluation schedule, checkpoints, Ctrl-C / SIGTERM, the summary)
+    checks.py      checks of the parsed flags (ranges, device, output folder, optional packages), each refused in
+                   one line that names the flag and what to do
+    run.py         Run: the loop's plumbing (evaluation schedule, checkpoints, stopping, the summary), run_main
+    stop.py        Ctrl-C / SIGTERM: stop after the current step with a checkpoint; a second signal stops at once
     resume.py      the run folder's name, clashes with an existing run, and --resume with the saved settings
     log.py         config.json, metrics.jsonl, the step line, TensorBoard / W&B
+    samples.py     samples.jsonl (what the model wrote) and the responses printed after each evaluation
+    progress.py    progress inside a long step (generation, update), on a terminal or in a log
     plot.py        learning curves of runs side by side (python -m infra.plot runs/...)
     dist.py        torchrun and FSDP2: ranks, collectives, sharding
-    memory.py      the memory plan per GPU, printed and checked before any model loads
+    memory.py      the memory plan at a run's start: printed, checked (refused in one line), vLLM's GPU share;
+                   the README's table of GPUs per method (python -m infra.memory --table)
+    memory_plan.py the memory plan's arithmetic: bytes per component from config.json, the method and the flags
     data.py        datasets (files in plain, verl or slime layout, hub ids, the built-in task), each row's answer
                    format, and the order of training rows
     tiny.py        the built-in task and the built-in tiny model
     engine.py      the Hugging Face rollout engine, and the choice of engine
     hub.py         where a --model comes from (local folder, Hugging Face cache, hub, the built-in model's folder),
                    checked before it loads
+    gguf_model.py  real models shipped as GGUF files in pip packages (smollm2-135m-instruct), converted once
     vllm_engine.py the vLLM rollout engine (optional: vLLM is imported there only)
     verifier.py    the math-verify checker process behind common.verify
     answer_line.py DAPO's answer-line reward (verl math_dapo) behind common.verify_answer_line
@@ -28,7 +36,7 @@ Layers, imports pointing down only (tests/test_layers.py reads every import, tho
     common.py                    what a reader of a method file opens: imports only BELOW_COMMON (and this package)
     infra, below common.py       BELOW_COMMON: import neither common.py nor a module above it, nor a method file
 """
-BELOW_COMMON = ("dist", "verifier", "answer_line", "hub")  # with this package itself (UserError)
+BELOW_COMMON = ("dist", "verifier", "answer_line", "hub", "gguf_model")  # with this package itself (UserError)
 
 
 class UserError(Exception):

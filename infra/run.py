@@ -1,7 +1,7 @@
 """A training run's plumbing around a trainer's loop (Run): the run folder and its logs, the evaluation schedule,
-checkpoints and resume, skipped non-finite updates, stopping on Ctrl-C or SIGTERM after a whole step, and the summary
-at the end. Every check that can be made runs before the run folder exists; a start that finishes no step leaves no
-folder behind (run_main).
+checkpoints and resume, skipped non-finite updates, stopping on Ctrl-C or SIGTERM after a whole step (the signals:
+stop.py), and the summary at the end. Every check that can be made runs before the run folder exists; a start that
+finishes no step leaves no folder behind (run_main).
 """
 import contextlib
 import dataclasses
@@ -9,21 +9,22 @@ import json
 import os
 import re
 import shutil
-import signal
 import sys
 import time
 
 import torch
 from tqdm import tqdm
 
-from infra import UserError, data, dist, memory, verifier
+from infra import UserError, data, dist, memory, progress, verifier
 from infra.checkpoint import _checkpoint_steps, load_checkpoint, rng_state, save_checkpoint, seed_everything
-from infra.cli import check_integrations
+from infra.checks import check_integrations
 from infra.engine import check_generator, make_generator, stop_token_ids
 from infra.evaluate import eval_table, evaluate
 from infra.hub import check_model_source
 from infra.log import Logger
 from infra.resume import WHERE, command, fixed_steps, resume_point, run_directory, saved_settings, train_further
+from infra.samples import SampleLog, rollout_records, shown
+from infra.stop import StopSignals
 
 
 def run_main(main):
@@ -49,53 +50,6 @@ def run_main(main):
             torch.distributed.destroy_process_group()
 
 
-class StopSignals:
-    """The first Ctrl-C (SIGINT) or SIGTERM (what Slurm and Kubernetes send before they kill a job) asks the loop to
-    stop after the current step (`requested`), so the checkpoint then saved holds whole steps (a stop in the middle
-    of an update would save half of one); a second one raises KeyboardInterrupt at once, without saving (during a
-    checkpoint's writing: once it is written, see writing()). restore() puts the previous handlers back."""
-    SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
-
-    def __init__(self):
-        self.signalled = None  # the name of the first signal
-        self.writing_checkpoint = self.stop_after_writing = False
-        self.previous = {number: signal.signal(number, self._handle) for number in self.SIGNALS}
-
-    @property
-    def requested(self):
-        """Under torchrun: whether any rank got a signal, so that all stop after the same step."""
-        return dist.rank_mean(bool(self.signalled)) > 0 if dist.distributed() else bool(self.signalled)
-
-    def _handle(self, signum, frame):
-        name = self.SIGNALS[signum]
-        if self.signalled and self.writing_checkpoint:
-            print(f"\n{name} again: stopping once the checkpoint being written is whole", file=sys.stderr)
-            self.stop_after_writing = True
-            return
-        if self.signalled:
-            print(f"\n{name} again: stopping now, without saving this step", file=sys.stderr)
-            raise KeyboardInterrupt
-        self.signalled = name
-        print(f"\n{name}: stopping after this step, with a checkpoint (Ctrl-C again: stop now, without one)",
-              file=sys.stderr)
-
-    @contextlib.contextmanager
-    def writing(self):
-        """A checkpoint is being written: a second signal stops the run once it is whole (an interrupt inside the
-        writers' C++ code would abort the process)."""
-        self.writing_checkpoint = True
-        try:
-            yield
-        finally:
-            self.writing_checkpoint = False
-        if self.stop_after_writing:
-            raise KeyboardInterrupt
-
-    def restore(self):
-        for number, handler in self.previous.items():
-            signal.signal(number, handler)
-
-
 _OPEN_RUNS = []  # runs whose folder this process opened: run_main closes them on the way out
 
 
@@ -117,7 +71,8 @@ class Run:
         check_model_source(args.model)  # a missing --model fails in one line, in seconds (offline too)
         if getattr(args, "critic_model", ""):  # PPO-family: the critic's backbone, checked the same way
             check_model_source(args.critic_model, "--critic-model")
-        memory.check(args, trainer_file, self.device)  # the memory plan per GPU: refused here if it cannot fit
+        # the memory plan per GPU, refused here if it cannot fit; vLLM's share of the GPU (auto: what it leaves)
+        self.gpu_share = memory.check(args, trainer_file, self.device)
         if self.device.startswith("cpu") or args.offload_optimizer:  # host memory: freed blocks reused, not re-faulted
             memory.keep_freed_host_memory()
         self.dir = run_directory(args, trainer_file)  # a clash with an existing run fails before any model loads
@@ -130,7 +85,10 @@ class Run:
         if dist.rank() == 0:  # what auto decided, before any model loads
             print(data.describe(args.dataset, self.train_rows), *(data.describe(name, rows) for name, rows in
                                                                     self.eval_sets.items()), sep="\n")
-        self.probe_rows = next(iter(self.eval_sets.values()))  # held-out prompts of the critic probes
+            if not self.eval_sets:
+                print(data.NO_EVAL_SETS)
+        self.probe_rows = next(iter(self.eval_sets.values()), [])  # held-out prompts of the critic probes (cli:
+        # --probe-every needs --eval-datasets)
         self.skipped_in_a_row, self.stopping, self.saved, self.first_eval, self.last = 0, False, False, {}, (0, {})
         self.step_rng, self.updated_step = None, None  # the RNG states as the current step began; its last update
         self.trainer, self.started = os.path.basename(trainer_file), time.time()
@@ -143,8 +101,12 @@ class Run:
         _OPEN_RUNS.append(self)  # run_main closes it on the way out
         self.logger = Logger(self.dir, self.args, self.resume_record())
         self.start_step = load_checkpoint(self.resume_path, models, optimizers) if self.resume_path else 0
+        self.samples = SampleLog(self.dir, self.start_step if self.resume_path else None)  # samples.jsonl
+        progress.watch(models.values())  # the update's start and pace, for the progress display
         self.generator = make_generator(self.args.generator, models["policy"], tokenizer,
-                                        self.args.gpu_memory_utilization, self.args.seed, self.args.vllm_kv_cache_gib)
+                                        self.gpu_share, self.args.seed, self.args.vllm_kv_cache_gib,
+                                        [self.train_rows, *self.eval_sets.values()],  # vLLM: max_model_len
+                                        max(getattr(self.args, "max_response_tokens", 0), self.args.eval_max_tokens))
         if dist.rank() == 0:  # EOS, generation_config's EOS ids, the chat template's turn end: both engines' stops
             print("rollouts stop at " + ", ".join(f"{tokenizer.convert_ids_to_tokens(i)} ({i})"
                                                    for i in stop_token_ids(models["policy"], tokenizer)))
@@ -207,19 +169,24 @@ class Run:
         """This rank's share of the prompts of rollout `step` (a function of the step: exact resume)."""
         return dist.rank_share(data.step_rows(self.train_rows, step, self.args.prompts_per_step, self.args.seed))
 
-    def evaluate(self):
-        """Held-out evaluation with the --eval-* flags (its own seed: training randomness is untouched); prints
-        the table."""
-        a = self.args
+    def evaluate(self, step):
+        """Held-out evaluation with the --eval-* flags (its own seed: training randomness is untouched) of the
+        weights after `step` steps; prints the table and two responses; every sample goes to samples.jsonl."""
+        a, records = self.args, []
+        if not self.eval_sets:  # no --eval-datasets: nothing to evaluate
+            return {}
         metrics = evaluate(self.generator, self.tokenizer, self.eval_sets, a.eval_n, a.eval_max_tokens,
-                           a.eval_temperature, a.eval_top_p)
-        self.write(eval_table(metrics))
+                           a.eval_temperature, a.eval_top_p, samples=records)
+        progress.phase(None)
+        self.write("\n".join([eval_table(metrics), *shown(records)]))
+        self.samples.add(step, records)
         return metrics
 
     def evaluate_only(self):
         """--eval-only: evaluate the loaded policy, log it as the current step, and return the metrics."""
         self.write = print
-        metrics = self.evaluate()
+        with progress.shown_alone():
+            metrics = self.evaluate(self.start_step)
         self.logger.log(self.start_step, metrics, lambda line: None)
         self.close()
         return metrics
@@ -229,23 +196,27 @@ class Run:
         evaluation at the first step and every --eval-every steps. The first Ctrl-C or SIGTERM stops after a whole
         step."""
         self.signals = StopSignals()
-        progress = tqdm(range(self.start_step, self.args.steps), desc=os.path.basename(self.dir),
-                        initial=self.start_step, total=self.args.steps, disable=dist.rank() > 0)
-        self.write = progress.write
+        bar = tqdm(range(self.start_step, self.args.steps), desc=os.path.basename(self.dir), initial=self.start_step,
+                   total=self.args.steps, disable=dist.rank() > 0)
+        self.write = bar.write
+        progress.activate(progress.for_bar(bar, bar.write, self.args))  # what a long step has done so far
         try:
-            for step in progress:
+            for step in bar:
+                progress.phase(None, step)
                 due = step == self.start_step or (self.args.eval_every and step % self.args.eval_every == 0)
-                metrics = self.evaluate() if due else {}
+                metrics = self.evaluate(step) if due else {}
                 self.first_eval = self.first_eval or metrics
                 self.step_rng = rng_state()  # what a checkpoint of this step's start holds (update_ok)
+                progress.phase("rollout")
                 yield step, metrics
                 if self.stopping:
                     break
-            progress.close()
+            bar.close()
             if dist.rank() == 0:
                 print(self.summary(*self.last))
             self.close()  # finished: its logs are closed here (run_main closes a run that did not finish)
         finally:
+            progress.deactivate()
             self.signals.restore()
 
     def update_ok(self, step, *grad_norms):
@@ -254,6 +225,7 @@ class Run:
         checkpoint step_<step> (weights, optimizers and the RNG states as the step began: a resume repeats the step
         exactly) if no update of this step was taken; else it is gone (keeping a copy would cost the weights and
         optimizer states again), nothing is saved, and the message names the latest checkpoint to resume from."""
+        progress.optimizer_step()
         finite = all(bool(torch.isfinite(norm)) for norm in grad_norms)
         self.skipped_in_a_row = 0 if finite else self.skipped_in_a_row + 1
         self.updated_step = step if finite else self.updated_step
@@ -273,8 +245,10 @@ class Run:
     def end_step(self, step, metrics):
         """After a step's update: the evaluation after the last one, the log line and record, the checkpoint
         (every --save-every steps, at the end, and on Ctrl-C or SIGTERM, which then stops the run)."""
+        progress.phase(None)
+        self.samples.add(step, rollout_records(self.training_rows(step), self.tokenizer, self.args))
         if step == self.args.steps - 1:
-            metrics.update(self.evaluate())
+            metrics.update(self.evaluate(step + 1))
         if self.device.startswith("cuda"):  # this process's allocations so far (not vLLM's own pool), against the plan
             metrics["gpu_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2 ** 30
         self.logger.log(step, metrics, self.write)
@@ -302,7 +276,8 @@ class Run:
                                        command("--resume", self.dir, "--steps", more)))
         digits = ("--dataset", self.args.dataset) if self.args.dataset.startswith("builtin:") and \
             "builtin" in self.args.eval_datasets else ()  # `builtin` evaluates the digits trained on
-        evaluate = command('--eval-only', '--model', checkpoint, *digits, '--eval-datasets', *self.args.eval_datasets)
+        evaluate = command('--eval-only', '--model', checkpoint, *digits, '--eval-datasets',
+                           *(self.args.eval_datasets or ["FILE"]))
         lines.append(f"  evaluate: {evaluate}")
         return "\n".join(lines)
 

@@ -153,8 +153,9 @@ def check_turn_end_paths(generator, tokenizer, rows, max_tokens=64):
 # Two steps of a trainer on the Qwen-like fixture (tests/test_qwen_like.py with HF generate, tests/test_vllm.py with
 # vLLM): greedy evaluation of 4 held-out problems at the start and the end.
 QWEN_LIKE_RUN = ["--dataset", "builtin:2", "--steps", "2", "--prompts-per-step", "2", "--max-response-tokens", "48",
-                 "--eval-every", "0", "--eval-problems", "4", "--eval-n", "1", "--eval-temperature", "0",
-                 "--eval-max-tokens", "48", "--save-every", "0", "--no-gradient-checkpointing", "--lr", "1e-6"]
+                 "--eval-datasets", "builtin", "--eval-every", "0", "--eval-problems", "4", "--eval-n", "1",
+                 "--eval-temperature", "0", "--eval-max-tokens", "48", "--save-every", "0",
+                 "--no-gradient-checkpointing", "--lr", "1e-6"]
 QWEN_LIKE_TRAINERS = with_forks({  # ppo: its probe's Monte Carlo values; spo: SPO-tree
     "ppo": ["--samples-per-prompt", "2", "--micro-batch-size", "4", "--probe-every", "1", "--probe-prompts", "2",
             "--probe-continuations", "2", "--critic-warmup", "1"],

@@ -2,7 +2,7 @@
 flag, and a bad value of any flag refused in one line, exit code 2, before any run folder or model exists.
 
 The bad values come from each field's type (a word for a number, -1 and nan for a number, a value outside a
-Literal's choices, a value after a switch, a short pair), from infra.cli's own tables of sizes, rates and fractions,
+Literal's choices, a value after a switch, a short pair), from infra.checks' own tables of sizes, rates and fractions,
 and, for flags whose bad value depends on their meaning (paths, names, devices), from SPECIAL: a flag added later
 with a type the generic rules do not cover fails here until it gets a case. The walk calls each trainer's own
 main() in-process under infra.run.run_main, as `python <trainer>.py ...` does, with common.load_model replaced by a
@@ -22,6 +22,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import common  # noqa: E402
+import infra.checks  # noqa: E402
 import infra.cli  # noqa: E402
 import infra.run  # noqa: E402
 
@@ -39,7 +40,8 @@ SPECIAL = {
     "model": [["--model", "/nonexistent/model"], ["--model", "nonsense"], ["--model", NOT_A_FOLDER]],
     "critic_model": [["--critic-model", "/nonexistent/critic"], ["--critic-model", "nonsense"]],
     "dataset": [["--dataset", "/nonexistent/train.jsonl"], ["--dataset", "builtin:x"]],
-    "eval_datasets": [["--eval-datasets", "/nonexistent/test.jsonl"], ["--eval-datasets"]],
+    "eval_datasets": [["--eval-datasets", "/nonexistent/test.jsonl"], ["--eval-datasets", "builtin:x"],
+                      ["--eval-datasets", "--eval-only"]],  # none given: no evaluation, nothing to --eval-only
     "question_field": [["--dataset", FIXTURE, "--question-field", "no.such.field"]],
     "answer_field": [["--dataset", FIXTURE, "--answer-field", "no.such.field"]],
     "resume": [["--resume", "/nonexistent/run"]],
@@ -64,7 +66,7 @@ def _out_of(interval):
 
 def bad_values(field):
     """The argv lists that misuse `field`'s flag: by type, by infra.cli's range tables, and SPECIAL."""
-    flag, kind = infra.cli._flag(field.name), field.type
+    flag, kind = infra.checks.flag_name(field.name), field.type
     origin, members = typing.get_origin(kind), typing.get_args(kind)
     cases = [list(case) for case in SPECIAL.get(field.name, [])]
     if kind is bool:
@@ -81,11 +83,11 @@ def bad_values(field):
             raise LookupError(f"{flag} ({kind}) has no bad value: add it to SPECIAL in tests/test_cli.py")
     else:
         raise LookupError(f"{flag}: no bad values for its type {kind}; add a rule to bad_values")
-    if field.name in infra.cli.POSITIVE_SIZES or field.name in infra.cli.POSITIVE_NUMBERS:
+    if field.name in infra.checks.POSITIVE_SIZES or field.name in infra.checks.POSITIVE_NUMBERS:
         cases.append([flag, "0"])
-    if field.name in infra.cli.FRACTIONS:
+    if field.name in infra.checks.FRACTIONS:
         width = len(members) if origin is tuple else 1
-        cases.append([flag, *_out_of(infra.cli.FRACTIONS[field.name]) * width])
+        cases.append([flag, *_out_of(infra.checks.FRACTIONS[field.name]) * width])
     return cases
 
 
@@ -158,6 +160,26 @@ def test_a_wrong_choice_lists_the_choices(tmp_path, monkeypatch, capsys):
                    "('token-mean', 'seq-mean', 'sum-max-len'). (see --help)\n")
 
 
+@pytest.mark.parametrize("argv, unknown", [
+    (["--critc-lr", "1e-5"], "--critc-lr (did you mean --critic-lr?)"),  # tyro alone: `--critc-lr, 1e-5`
+    (["--critc-lr=1e-5", "--steps", "2"], "--critc-lr (did you mean --critic-lr?)"),
+    (["--mini_batchs", "4", "--lr-x", "3e-6"],
+     "--mini_batchs (did you mean --mini-batches?), --lr-x (did you mean --lr?)"),
+    (["--whiten-advantage"], "--whiten-advantage (did you mean --whiten-advantages?)"),
+    (["--no-such-flag", "1"], "--no-such-flag")])  # nothing near it: no suggestion
+def test_an_unknown_flag_is_named_alone_with_the_nearest_known_one(argv, unknown, tmp_path, monkeypatch, capsys):
+    code, err, problem = refusal("ppo", argv, tmp_path, monkeypatch, capsys)
+    assert (code, problem) == (2, None)
+    assert err == f"ppo.py: error: Unrecognized options: {unknown} (see --help)\n"
+
+
+def test_a_stray_value_is_still_named():
+    # no unknown flag in argv: tyro's own message stays (here a value after a switch)
+    message = infra.cli._one_line_error("Unrecognized options: False", ["--gradient-checkpointing", "False"],
+                                        dataclasses.fields(infra.cli.RunArgs))
+    assert message == "Unrecognized options: False"
+
+
 # the in-process walk matches the command line: the same line and exit code from a real process
 @pytest.mark.parametrize("trainer, argv", [
     ("ppo", ["--dtype", "fp16"]), ("ppo", ["--adam-betas", "0.9"]), ("grpo", ["--device", _no_gpu_device()]),
@@ -180,7 +202,7 @@ def test_help_shows_the_methods_knobs_first_then_the_run_flags_with_one_default_
     knobs, run = text.index(f"{trainer} options"), text.index("run options")
     own = [f for f in dataclasses.fields(module.Args) if f.name not in {g.name for g in
                                                                          dataclasses.fields(infra.cli.RunArgs)}]
-    assert knobs < text.index(infra.cli._flag(own[0].name) + " ") < run < text.index("--model STR")
+    assert knobs < text.index(infra.checks.flag_name(own[0].name) + " ") < run < text.index("--model STR")
     flat = " ".join(line.strip("│ ") for line in text.splitlines())
     assert flat.count("(default:") == len(dataclasses.fields(module.Args))  # one default per flag
     assert "(default: cuda when available, else cpu) --dtype" in " ".join(flat.split())  # the comment's, alone
@@ -193,8 +215,8 @@ def test_help_shows_the_values_in_effect_and_each_fields_whole_comment(capsys):
         with pytest.raises(SystemExit):
             infra.cli.parse_args(ppo.Args, ppo.TINY_PRESET, [*argv, "--help"])
         flat = " ".join(line.strip("│ ") for line in capsys.readouterr().out.splitlines())
-        assert f"policy learning rate (published: 1e-6) (default: {lr})" in " ".join(flat.split())
-    assert infra.cli.field_help(ppo.Args, "aggregation").startswith("actor and critic loss; seq-mean (published")
+        assert f"policy learning rate (SP3O/TPPO/SPPO: 1e-6) (default: {lr})" in " ".join(flat.split())
+    assert infra.cli.field_help(ppo.Args, "aggregation").startswith("actor and critic loss (SP3O: seq-mean;")
 
 
 def test_each_field_has_one_help_comment():

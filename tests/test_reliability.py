@@ -23,6 +23,7 @@ import infra.checkpoint
 import infra.cli
 import infra.data
 import infra.run
+import infra.stop
 from helpers import assert_same_records, finish_resumed, kill_then_resume, killed_on_exit, records
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -427,7 +428,7 @@ def test_non_finite_stop_in_step_0_leaves_nothing_and_names_the_command(monkeypa
 
 def test_ctrl_c_saves_and_exits_cleanly(monkeypatch, tmp_path):
     """A real SIGINT as step 2 begins: main returns normally (exit code 0) with a checkpoint that holds exactly the
-    logged steps (2 with an immediate stop, 3 with infra.run.StopSignals finishing the step first)."""
+    logged steps (2 with an immediate stop, 3 with infra.stop.StopSignals finishing the step first)."""
     real_rows, sent = infra.data.step_rows, []
 
     def step_rows(rows, step, count, seed):
@@ -638,7 +639,7 @@ def test_spo_resume_keeps_its_learning_rate_schedule(monkeypatch, capsys, tmp_pa
 def test_stop_signals_defer_the_first_and_not_the_second(first, second):
     """Ctrl-C or SIGTERM (a scheduler's preemption): the first asks for a stop after the step, a second stops now."""
     previous = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
-    stop = infra.run.StopSignals()
+    stop = infra.stop.StopSignals()
     try:
         os.kill(os.getpid(), first)
         time.sleep(0.1)
@@ -654,7 +655,7 @@ def test_stop_signals_defer_the_first_and_not_the_second(first, second):
 def test_a_second_signal_while_a_checkpoint_is_written_stops_once_it_is_whole():
     """An interrupt inside the checkpoint writers' C++ code aborted the process (SIGABRT) with a half-written
     checkpoint; the second signal now waits for the write to finish."""
-    stop, written = infra.run.StopSignals(), []
+    stop, written = infra.stop.StopSignals(), []
     try:
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.1)
