@@ -3,9 +3,11 @@
     python -m infra.plot runs/demo_table/demo_* --out runs/demo.png
 
 Runs whose folder names differ only in the seed (`..._s<seed>` and what follows) form one group, drawn as the mean
-over seeds with a band from the lowest to the highest seed; one colour per group. Panels: held-out accuracy,
-training reward, response length, critic value loss, explained variance, approximate KL (a panel is left out when
-no run logs its metric).
+over seeds with a band from the lowest to the highest seed (the title says so when a group has several seeds). Each
+group has its own colour, line style and marker, the first drawn widest, so curves that coincide (a fork that
+changes only the loss has its parent's reward curve) still show each run. Panels: held-out accuracy, training
+reward, response length, policy loss, policy gradient norm, critic value loss, critic gradient norm, explained
+variance, approximate KL (a panel is left out when no run logs its metric). Steps are integers: the x ticks are too.
 """
 import argparse
 import json
@@ -16,8 +18,11 @@ from collections import defaultdict
 import numpy as np
 
 PANELS = [("eval/accuracy", "held-out accuracy"), ("reward", "training reward"), ("response_length", "response length"),
-          ("value_loss", "critic value loss"), ("explained_variance", "explained variance"),
+          ("policy_loss", "policy loss"), ("grad_norm", "policy gradient norm"), ("value_loss", "critic value loss"),
+          ("critic_grad_norm", "critic gradient norm"), ("explained_variance", "explained variance"),
           ("approx_kl", "approx. KL to the old policy")]
+LINE_STYLES, MARKERS = ["-", "--", ":", "-."], ["o", "s", "^", "D", "v", "x", "P", "*"]
+SEEDS_NOTE = "mean over seeds; band: lowest to highest seed"
 
 
 def read_run(run_dir):
@@ -47,10 +52,12 @@ def curves(runs, metric):
     return np.array(steps), values.mean(0), values.min(0), values.max(0)
 
 
-def plot(run_dirs, out, title=""):
+def figure(run_dirs, title=""):
+    """The matplotlib Figure of the runs' curves: one axis per panel that some run logs, titled with its label."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
     groups = defaultdict(list)
     for run_dir in run_dirs:
         if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
@@ -60,7 +67,7 @@ def plot(run_dirs, out, title=""):
     panels = [(key, label) for key, label in PANELS if any(key in run for runs in groups.values() for run in runs)]
     columns = min(3, len(panels))
     rows = -(-len(panels) // columns)
-    figure, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.4 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.4 * rows), squeeze=False)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for axis, (key, label) in zip(axes.flat, panels):
         for index, (name, runs) in enumerate(sorted(groups.items())):
@@ -68,21 +75,35 @@ def plot(run_dirs, out, title=""):
             if result is None:
                 continue
             steps, mean, low, high = result
-            colour = colours[index % len(colours)]
-            axis.plot(steps, mean, color=colour, marker="o" if len(steps) < 8 else None, ms=3,
-                      label=f"{name} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
+            colour, below = colours[index % len(colours)], (len(groups) - 1 - index) / max(1, len(groups) - 1)
+            axis.plot(steps, mean, color=colour, linestyle=LINE_STYLES[index % len(LINE_STYLES)],  # drawn later:
+                      marker=MARKERS[index % len(MARKERS)], markevery=max(1, len(steps) // 12),  # thinner, on top
+                      linewidth=1.2 + 2 * below, ms=4 + 4 * below, markerfacecolor="none",
+                      label=f"{name} ({len(runs)} seed{'s' * (len(runs) > 1)})")
             if len(runs) > 1:
                 axis.fill_between(steps, low, high, color=colour, alpha=0.2, linewidth=0)
         axis.set_title(label, fontsize=10)
         axis.set_xlabel("step")
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))  # a 2-step run: ticks 0 and 1, never 0.25
         axis.grid(alpha=0.3)
     for axis in list(axes.flat)[len(panels):]:
         axis.set_axis_off()
     axes.flat[0].legend(fontsize=8)
-    figure.suptitle(title or "mean over seeds; band: lowest to highest seed")
-    figure.tight_layout()
+    several_seeds = any(len(runs) > 1 for runs in groups.values())
+    heading = "; ".join(part for part in (title, SEEDS_NOTE if several_seeds else "") if part)
+    if heading:
+        fig.suptitle(heading)
+    fig.tight_layout()
+    return fig
+
+
+def plot(run_dirs, out, title=""):
+    """Write the runs' figure to the PNG `out`; returns `out`."""
+    fig = figure(run_dirs, title)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    figure.savefig(out, dpi=110)
+    fig.savefig(out, dpi=110)
+    import matplotlib.pyplot as plt
+    plt.close(fig)
     return out
 
 

@@ -12,14 +12,24 @@ from common import batched, chunks, forward, monte_carlo_values, prompt_ids, seq
 
 def explained_variance(values, returns, mask):
     """1 - Var(returns - values) / Var(returns) over the valid tokens: 1 for a perfect critic, 0 for one no better
-    than a constant, negative for a worse one. When Var(returns) = 0: 1.0 if the residual does not vary, else 0.0
-    (as scikit-learn's explained_variance_score); 0.0 for an empty mask."""
+    than a constant, negative for a worse one; 0.0 for an empty mask.
+    Undefined when the returns do not vary: every reward of a rollout equal with gamma = lambda = 1 makes every
+    return R, up to the rounding that A + V leaves (|R| up to 4.5e-8 in float32 for R = 0: 1 - 0.01 / 1e-16 = -1e14).
+    A variance counts as 0 when its standard deviation is within 4 sqrt(T) eps max|x| (T = the last dimension, the
+    GAE recursion's length; eps of the inputs' dtype): that rounding measured at most 0.34 sqrt(T) eps max|x|.
+    Then, as scikit-learn's explained_variance_score (force_finite=True): 1.0 if the residual does not vary either
+    (the critic is off by a constant at most), else 0.0. Finite rather than CleanRL's NaN, so that the step line,
+    the plot's means over seeds and metrics.jsonl (JSON has no NaN) stay readable; verl's denominator Var(returns) +
+    1e-5 gives 1 - 1e5 Var(residual) at such a step (-999 for a residual variance of 0.01)."""
+    eps = max(torch.finfo(x.dtype).eps if x.is_floating_point() else 0.0 for x in (values, returns))
     returns, values = returns[mask].double(), values[mask].double()
     if returns.numel() == 0:
         return 0.0
+    scale = max(returns.abs().max(), values.abs().max())
+    tolerance = (4 * mask.shape[-1] ** 0.5 * eps * scale) ** 2  # on the variance
     target_variance, residual_variance = returns.var(unbiased=False), (returns - values).var(unbiased=False)
-    if target_variance == 0:
-        return 1.0 if residual_variance == 0 else 0.0
+    if target_variance <= tolerance:
+        return 1.0 if residual_variance <= tolerance else 0.0
     return float(1 - residual_variance / target_variance)
 
 

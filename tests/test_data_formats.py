@@ -128,6 +128,52 @@ def test_dotted_field_paths_and_their_errors(tmp_path, verl_parquet):
 # ----------------------------------------------------------------------------------------------
 # Prompts: chat messages go through the chat template as given.
 # ----------------------------------------------------------------------------------------------
+HUB_ID = "zhuzilin/dapo-math-17k"
+
+
+def test_a_hub_id_without_the_datasets_package_names_the_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ImportError, installed or not
+    for flag in ("--dataset", "--eval-datasets"):
+        with pytest.raises(UserError) as error:
+            infra.data.load_rows(HUB_ID, flag=flag)
+        assert str(error.value) == (f"{flag} '{HUB_ID}': a hub dataset id needs the `datasets` package: pip install "
+                                    "datasets (or give a .jsonl/.json/.parquet file)")
+
+
+def test_a_hub_id_loads_through_datasets_and_names_a_hub_failure(monkeypatch):
+    import types
+    with open(os.path.join(FIXTURES, "verl_format_rows.json")) as handle:
+        verl_rows = json.load(handle)
+    calls = []
+
+    def load_dataset(name, split):
+        calls.append((name, split))
+        if name != HUB_ID:
+            raise ConnectionError(f"Couldn't reach '{name}' on the Hub (LocalEntryNotFoundError)\nmore lines")
+        return verl_rows
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    rows = infra.data.load_rows(HUB_ID, "train")
+    assert calls == [(HUB_ID, "train")] and len(rows) == len(verl_rows)
+    assert rows[0]["question"] == [{"role": "user", "content": DAPO_PROMPT}] and rows[0]["answer"] == "5"
+    with pytest.raises(UserError, match=r"^--dataset 'org/missing': not a local file and the hub dataset could not "
+                                        r"be loaded \(ConnectionError: Couldn't reach 'org/missing' on the Hub"):
+        infra.data.load_rows("org/missing")
+
+
+def test_a_trainer_refuses_a_hub_id_without_datasets_before_any_model_loads(monkeypatch, tmp_path, capsys):
+    import grpo
+    import infra.run
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    monkeypatch.setattr(common, "load_model", lambda *args, **kwargs: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(sys, "argv", ["grpo.py", "--dataset", HUB_ID, "--output-dir", str(tmp_path)])
+    with pytest.raises(SystemExit) as exit_code:
+        infra.run.run_main(grpo.main)
+    error = capsys.readouterr().err
+    assert exit_code.value.code == 2 and error.count("\n") == 1 and "pip install datasets" in error, error
+    assert error.startswith(f"grpo.py: error: --dataset '{HUB_ID}': a hub dataset id needs the `datasets` package")
+    assert os.listdir(tmp_path) == []  # no run folder left behind
+
+
 def test_chat_prompt_exact_tokens_with_a_chat_template(tokenizer, verl_parquet):
     rows = infra.data.load_rows(verl_parquet)
     chat_tokenizer = copy.deepcopy(tokenizer)

@@ -72,6 +72,77 @@ def test_explained_variance_constant_returns():
     assert infra.probes.explained_variance(returns, returns, torch.zeros(2, 3, dtype=torch.bool)) == 0.0
 
 
+def test_explained_variance_of_all_equal_rewards_is_finite():
+    # gamma = lambda = 1, every reward R: every return is R, in float32 up to the rounding that A + V leaves, which
+    # made 1 - Var(residual) / Var(returns) about -1e13. The critic's values vary, so the residual R - V does: 0.0;
+    # a constant critic leaves a constant residual: 1.0 (scikit-learn's convention)
+    import ppo
+    mask = torch.arange(64)[None] < torch.tensor([[64], [40], [17], [64]])
+    values = 0.3 + 0.1 * torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    for reward in (0.0, 1.0):
+        _, returns = ppo.gae(ppo.terminal_rewards(torch.full((4,), reward), mask), values, mask)
+        valid, residual = returns[mask].double(), (returns - values)[mask].double()
+        assert (valid != reward).any() and 1 - residual.var() / valid.var() < -1e9  # the rounding, unguarded
+        assert infra.probes.explained_variance(values, returns, mask) == 0.0
+        assert infra.probes.explained_variance(torch.full_like(values, 0.3), returns, mask) == 1.0
+
+
+def test_explained_variance_keeps_a_small_real_variance():
+    # returns 1 +- d alternating (Var d^2), values halfway to them: residual (returns - 1) / 2, Var d^2 / 4 -> 0.75.
+    # The tolerance is rounding-sized: d = 1e-4 is real in float32 (4 sqrt(64) eps = 3.8e-6), 1e-9 in float64
+    for d, dtype in ((1e-4, torch.float32), (1e-9, torch.float64)):
+        returns = 1 + d * torch.tensor([[1.0, -1.0] * 32], dtype=dtype)
+        values, mask = 1 + (returns - 1) / 2, torch.ones(1, 64, dtype=torch.bool)
+        assert infra.probes.explained_variance(values, returns, mask) == pytest.approx(0.75, abs=1e-3)
+
+
+def scripted_records(trainer, argv, finish, monkeypatch, tmp_path):
+    """{step: metrics} of `trainer` run in-process with every rollout from ScriptedEngine(finish): every reward 0
+    ("length": the response is cut) or every reward 1 ("stop")."""
+    import importlib
+    import infra.run
+    from helpers import records
+    from scripted_engine import ScriptedEngine
+    make_generator = lambda kind, model, tokenizer, *args, **kwargs: ScriptedEngine(tokenizer, finish)  # noqa: E731
+    monkeypatch.setattr(infra.run, "make_generator", make_generator)
+    monkeypatch.setattr(sys, "argv", [f"{trainer}.py", *map(str, argv), "--run-name", finish, "--output-dir",
+                                      str(tmp_path)])
+    importlib.import_module(trainer).main()
+    return records(os.path.join(tmp_path, finish))
+
+
+TWO_STEPS = ["--steps", 2, "--eval-problems", 2, "--eval-n", 1, "--eval-max-tokens", 16, "--max-response-tokens", 16,
+             "--prompts-per-step", 2, "--samples-per-prompt", 4, "--mini-batches", 1, "--micro-batch-size", 8,
+             "--critic-warmup", 0]
+
+
+@pytest.mark.parametrize("trainer", ["ppo", "sp3o", "tppo", "sppo"])
+def test_every_critic_trainer_logs_a_finite_explained_variance_when_all_rewards_are_equal(trainer, monkeypatch,
+                                                                                       tmp_path):
+    # every reward 0, then every reward 1, through the trainer's own loop: returns R everywhere (SPPO: the rewards
+    # themselves). A critic whose values vary -> 0.0 (it was about -1e13: the returns' float32 rounding); TPPO's
+    # critic starts at z = 0, V = 1/2 everywhere, a constant residual -> 1.0 at step 0; after an update all vary
+    argv = TWO_STEPS + (["--samples-per-prompt", 1, "--prompts-per-step", 8] if trainer == "sppo" else [])
+    keys = ["explained_variance"] + (["explained_variance_anchors"] if trainer == "sp3o" else [])
+    for finish, reward in (("length", 0.0), ("stop", 1.0)):
+        logged = scripted_records(trainer, argv, finish, monkeypatch, tmp_path)
+        assert [logged[step]["reward"] for step in (0, 1)] == [reward, reward]
+        first = 1.0 if trainer == "tppo" else 0.0
+        assert [[logged[step][key] for key in keys] for step in (0, 1)] == [[first] * len(keys), [0.0] * len(keys)]
+
+
+def test_ppo_on_a_task_the_tiny_model_never_solves_logs_a_readable_explained_variance(run_cli, tmp_path):
+    # builtin:12 (12-digit sums): the tiny model scores 0, every rollout's rewards are all 0
+    result = run_cli("ppo.py", "--dataset", "builtin:12", "--steps", 2, "--prompts-per-step", 4, "--eval-problems", 8,
+                     "--critic-warmup", 0, "--output-dir", tmp_path, "--run-name", "zero")
+    assert result.returncode == 0, result.stderr[-3000:]
+    from helpers import records
+    logged = records(os.path.join(tmp_path, "zero"))
+    assert [logged[step]["reward"] for step in (0, 1)] == [0.0, 0.0]
+    assert all(-10 <= logged[step]["explained_variance"] <= 1 for step in (0, 1)), logged
+    assert " ev 0 " in result.stdout
+
+
 # ---------------------------------------------------------------- effective rank
 def test_effective_rank_of_known_matrices():
     assert infra.probes.effective_rank(torch.eye(5)) == pytest.approx(5.0)
