@@ -5,7 +5,7 @@ Per rollout: G samples per prompt; reward R = 1 if the final answer (common.scor
 0 (a response cut off at the length limit scores 0); every token of sample i gets the advantage
 A_i = (R_i - mean of its group) / (std + eps); the policy takes PPO-clip steps on those advantages.
 
-Usage: `python <this file>` runs the built-in CPU demo; `--model Qwen3-4B-Base --dataset train.parquet` a real run.
+Usage: `python <this file>` runs the built-in CPU demo; `--model Qwen3-4B-Base` a real run on the data in Args.
 """
 import time
 from collections import defaultdict
@@ -26,6 +26,12 @@ import infra.run
 @dataclass
 class Args(infra.cli.RunArgs):
     """GRPO's knobs: SP3O's released `grpo` preset. (NAME: value) names a source (docs/methods.md has the table)."""
+    dataset: str = "zhuzilin/dapo-math-17k"  # training set (SP3O: zhuzilin/dapo-math-17k; slime's DAPO-Math-17k)
+    answer_format: Literal["auto", "boxed", "answer-line"] = "boxed"  # reward (SP3O/SPPO: boxed; the last \boxed{})
+    # held-out sets (SP3O: "HuggingFaceH4/aime_2024", "MathArena/aime_2025", "MathArena/aime_2026", "math-ai/amc23",
+    # "HuggingFaceH4/MATH-500", "math-ai/minervamath"; the six of its eval.example.yaml, by hub ids)
+    eval_datasets: tuple[str, ...] = ("HuggingFaceH4/aime_2024", "MathArena/aime_2025", "MathArena/aime_2026",
+                                      "math-ai/amc23", "HuggingFaceH4/MATH-500", "math-ai/minervamath")
     prompts_per_step: int = 64  # prompts per rollout (SP3O: 64; DAPO: 512)
     samples_per_prompt: int = 8  # G, samples per prompt (SP3O: 8; DeepSeekMath: 64, DAPO: 16)
     max_response_tokens: int = 8192  # response length limit; truncated responses score 0 (SP3O: 8192; DAPO: 20480)

@@ -7,7 +7,7 @@ V(s_t) at the token before y_t; GAE(gamma, lambda) gives advantages, not whitene
 The first 20 rollouts train the critic alone; then the policy takes PPO-clip steps, the critic clipped-value-loss
 steps at 3 anchors per response (4 from 6144 tokens on; dense in the warm-up), each a mean per sample, then over all.
 
-Usage: `python <this file>` runs the built-in CPU demo; `--model Qwen3-4B-Base --dataset train.parquet` a real run.
+Usage: `python <this file>` runs the built-in CPU demo; `--model Qwen3-4B-Base` a real run on the data in Args.
 """
 import time
 from collections import defaultdict
@@ -28,6 +28,12 @@ import infra.run
 @dataclass
 class Args(infra.cli.RunArgs):
     """SP3O's knobs: SP3O's released `sp3o` preset. (NAME: value) names a source (docs/methods.md has the table)."""
+    dataset: str = "zhuzilin/dapo-math-17k"  # training set (SP3O: zhuzilin/dapo-math-17k; slime's DAPO-Math-17k)
+    answer_format: Literal["auto", "boxed", "answer-line"] = "boxed"  # reward (SP3O/SPPO: boxed; the last \boxed{})
+    # held-out sets (SP3O: "HuggingFaceH4/aime_2024", "MathArena/aime_2025", "MathArena/aime_2026", "math-ai/amc23",
+    # "HuggingFaceH4/MATH-500", "math-ai/minervamath"; the six of its eval.example.yaml, by hub ids)
+    eval_datasets: tuple[str, ...] = ("HuggingFaceH4/aime_2024", "MathArena/aime_2025", "MathArena/aime_2026",
+                                      "math-ai/amc23", "HuggingFaceH4/MATH-500", "math-ai/minervamath")
     prompts_per_step: int = 64  # prompts per rollout (SP3O/TPPO: 64)
     samples_per_prompt: int = 8  # G, samples per prompt (SP3O: 8)
     critic_model: str = ""  # critic backbone (default: the policy's base model; a smaller one works too)

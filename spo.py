@@ -17,7 +17,7 @@ Deliberate differences from the released code: no replay buffer in SPO-tree (the
 edges beyond 32 for up to 8 rollouts, with the log-probs taken when they were inserted; here they are dropped);
 the token-mean is over a mini-batch, not over each micro-batch; rollouts at top-p 1 (the RhoMath configs: 0.9).
 
-Usage: `python <this file>` runs the built-in CPU demo; `--model Qwen3-4B-Base --dataset train.parquet` a real run.
+Usage: `python <this file>` runs the built-in CPU demo; `--model Qwen3-4B-Base` a real run on the data in Args.
 Add `--mode tree` for SPO-tree.
 """
 import math
@@ -40,6 +40,9 @@ import infra.run
 @dataclass
 class Args(infra.cli.RunArgs):
     """SPO's knobs: SPO's released configs (chain: Rho-1.1B, GSM8K). (NAME: value) names a source (docs/methods.md)."""
+    dataset: str = "openai/gsm8k:main"  # training set (SPO: openai/gsm8k:main; the chain's GSM8K, by hub id)
+    answer_format: Literal["auto", "boxed", "answer-line"] = "boxed"  # reward (ours; our \boxed{} instruction)
+    eval_datasets: tuple[str, ...] = ("openai/gsm8k:main",)  # held-out sets (SPO: "openai/gsm8k:main",; its test)
     mode: Literal["chain", "tree"] = "chain"  # SPO-chain (short CoT: cutpoints + MC) or SPO-tree (long CoT)
     prompts_per_step: int = 64  # chain: prompts per rollout (SPO: 64; 512 episodes of 8 samples)
     samples_per_prompt: int = 8  # chain: samples per prompt (SPO: 8)

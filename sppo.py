@@ -7,7 +7,7 @@ logit f(x) and V(x) = sigmoid(f(x)) estimates how likely the prompt is solved. E
 A = R - V(x), not whitened; the critic takes BCEWithLogits(f(x), R) steps before the actor's step, on
 values computed before the update; the policy takes token-level PPO-clip steps.
 
-Usage: `python <this file>` runs the built-in CPU demo; `--model Qwen3-4B-Base --dataset train.parquet` a real run.
+Usage: `python <this file>` runs the built-in CPU demo; `--model Qwen3-4B-Base` a real run on the data in Args.
 """
 import time
 from collections import defaultdict
@@ -28,6 +28,12 @@ import infra.run
 @dataclass
 class Args(infra.cli.RunArgs):
     """SPPO's knobs: SPPO's released 7B script. (NAME: value) names a source (docs/methods.md has the table)."""
+    dataset: str = "zhuzilin/dapo-math-17k"  # training set (SP3O: zhuzilin/dapo-math-17k; slime's DAPO-Math-17k)
+    answer_format: Literal["auto", "boxed", "answer-line"] = "boxed"  # reward (SP3O/SPPO: boxed; the last \boxed{})
+    # held-out sets (SPPO: "HuggingFaceH4/aime_2024", "MathArena/aime_2025", "math-ai/amc23", "HuggingFaceH4/MATH-500",
+    # "math-ai/minervamath"; its README's five benchmarks, by hub ids)
+    eval_datasets: tuple[str, ...] = ("HuggingFaceH4/aime_2024", "MathArena/aime_2025",
+                                      "math-ai/amc23", "HuggingFaceH4/MATH-500", "math-ai/minervamath")
     prompts_per_step: int = 512  # prompts per rollout (SPPO: 512)
     samples_per_prompt: int = 1  # samples per prompt (SPPO: 1; the critic is the baseline)
     critic_model: str = ""  # critic backbone (default: the policy's base model; a smaller one works too)

@@ -9,7 +9,7 @@ additive in log-odds). GAE(gamma, lambda) on these values gives advantages, whit
 tokens, and returns G_t = A_t + V_t; the policy takes PPO-clip steps, the critic BCE(V_t, G_t) steps on every
 valid token. With lambda_critic = 1 (the default) every target is the outcome R.
 
-Usage: `python <this file>` runs the built-in CPU demo; `--model Qwen3-4B-Base --dataset train.parquet` a real run.
+Usage: `python <this file>` runs the built-in CPU demo; `--model Qwen3-4B-Base` a real run on the data in Args.
 """
 import time
 from collections import defaultdict
@@ -30,6 +30,12 @@ import infra.run
 @dataclass
 class Args(infra.cli.RunArgs):
     """TPPO's knobs: its Table 5 (math), else verl's defaults. (NAME: value) names a source (docs/methods.md)."""
+    dataset: str = "zhuzilin/dapo-math-17k"  # training set (ours; TPPO names none: SP3O's, as ppo.py)
+    answer_format: Literal["auto", "boxed", "answer-line"] = "boxed"  # reward (ours; boxed, as ppo.py)
+    # held-out sets (ours; TPPO's Table 2 less OlympiadBench, by hub ids: "HuggingFaceH4/aime_2024",
+    # "MathArena/aime_2025", "MathArena/aime_2026", "math-ai/amc23", "HuggingFaceH4/MATH-500", "math-ai/minervamath")
+    eval_datasets: tuple[str, ...] = ("HuggingFaceH4/aime_2024", "MathArena/aime_2025", "MathArena/aime_2026",
+                                      "math-ai/amc23", "HuggingFaceH4/MATH-500", "math-ai/minervamath")
     prompts_per_step: int = 64  # prompts per rollout (SP3O/TPPO: 64)
     samples_per_prompt: int = 8  # G, samples per prompt (SP3O: 8)
     critic_model: str = ""  # critic backbone (default: the policy's base model; a smaller one works too)

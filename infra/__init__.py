@@ -19,8 +19,8 @@
                    format, and the order of training rows
     tiny.py        the built-in task and the built-in tiny model
     engine.py      the Hugging Face rollout engine, and the choice of engine
-    hub.py         where a --model comes from (local folder, Hugging Face cache, hub, the built-in model's folder),
-                   checked before it loads
+    hub.py         where a --model or a hub dataset comes from (local folder, Hugging Face cache, hub, the built-in
+                   model's folder), checked before it loads; python -m infra.hub writes hub datasets as local files
     gguf_model.py  real models shipped as GGUF files in pip packages (smollm2-135m-instruct), converted once
     vllm_engine.py the vLLM rollout engine (optional: vLLM is imported there only)
     verifier.py    the math-verify checker process behind common.verify

@@ -31,17 +31,18 @@ class RunArgs:
     model: str = "tiny"  # policy: `tiny` (built-in CPU demo), a hub name (Qwen3-4B-Base) or a local path
     # training problems: `builtin` (6-digit additions; `builtin:N`, N digits; `builtin:A-B`, A to B digits;
     # `builtin:early`, one carry, after the units column; `builtin:words`, word problems for a real chat model), a
-    # .jsonl/.json/.parquet file or a hub id
+    # .jsonl/.json/.parquet file or a hub id (org/name, org/name:config)
     dataset: str = "builtin"
     # dotted path of --dataset's prompt, e.g. extra_info.question (empty: question, problem or prompt)
     question_field: str = ""
-    # dotted path of --dataset's gold answer (empty: answer, solution, ground_truth, label or reward_model.ground_truth)
+    # dotted path of --dataset's gold answer (empty: answer, final_answer, solution, ground_truth, label or
+    # reward_model.ground_truth)
     answer_field: str = ""
     # --dataset's reward: the last \boxed{} (math-verify) or the last `Answer:` line (DAPO's rule); auto: what each
     # prompt asks for. Evaluation sets always take auto.
     answer_format: Literal["auto", "boxed", "answer-line"] = "auto"
-    # held-out sets: .jsonl/.json/.parquet files, hub ids or `builtin` (--dataset's digits when it is builtin:N or A-B)
-    # (default: none, no evaluation; the tiny demo: builtin)
+    # held-out sets: .jsonl/.json/.parquet files, hub ids or `builtin` (--dataset's digits when it is builtin:N or A-B);
+    # a --dataset other than the method's own leaves none (and --answer-format auto) unless given
     eval_datasets: tuple[str, ...] = ()
     eval_only: bool = False  # evaluate --model (a hub model or a checkpoint's policy/ directory) and exit
     steps: int = 500  # rollout iterations
@@ -112,9 +113,10 @@ def trainer_defaults(name, root=ROOT):
 # The CPU demo's run flags: 30 steps, responses of up to 96 tokens (a 6-digit addition takes about 67), greedy
 # evaluation on 256 held-out problems of the built-in task every 10 steps, no intermediate checkpoints; micro-batches
 # of 16 sequences, not packed by tokens (the update ran about 20% faster than with 64 on one CPU thread).
-RUN_TINY_PRESET = dict(steps=30, micro_batch_size=16, micro_batch_tokens=0, gradient_checkpointing=False,
-                       eval_datasets=("builtin",), eval_every=10, eval_problems=256, eval_n=1, eval_temperature=0.0,
-                       eval_top_p=1.0, max_response_tokens=96, eval_max_tokens=96, save_every=0)
+RUN_TINY_PRESET = dict(dataset="builtin", answer_format="auto", steps=30, micro_batch_size=16, micro_batch_tokens=0,
+                       gradient_checkpointing=False, eval_datasets=("builtin",), eval_every=10, eval_problems=256,
+                       eval_n=1, eval_temperature=0.0, eval_top_p=1.0, max_response_tokens=96, eval_max_tokens=96,
+                       save_every=0)
 # The controlled comparison (docs/testbed.md): on the tiny model every trainer that has one of these knobs takes
 # this value, so the six files differ only in their own mechanism (each file's TINY_PRESET and the knobs only it
 # has; tests/test_skeleton.py fails on any other difference). Rollouts of 512 samples (SPPO: 512 prompts x 1),
@@ -127,6 +129,9 @@ CONTROLLED_TINY_PRESET = dict(prompts_per_step=64, samples_per_prompt=8, tempera
                               epochs=1, grad_clip=1.0, clip_low=0.2, clip_high=0.2, aggregation="token-mean",
                               whiten_advantages=False, kl_coef=0.0, critic_lr=5e-4, critic_epochs=4, gamma=1.0,
                               lam_actor=1.0, lam_critic=1.0)
+
+
+DATA_FIELDS = ("answer_format", "eval_datasets")  # a method file's published choices that go with its --dataset
 
 
 def _flag_value(argv, flag):
@@ -159,9 +164,12 @@ def field_comments(args_class):
 
 
 def field_help(args_class, name):
-    """A flag's help: the comment at the end of its field's line, else the comment lines right above the field."""
+    """A flag's help: the comment at the end of its field's line, else the comment lines right above the field; a run
+    flag that a method file sets anew (its published --dataset) keeps RunArgs' description after its own."""
     above, inline = field_comments(args_class).get(name, ("", ""))
-    return inline or above
+    general = field_comments(RunArgs).get(name, ("", ""))
+    own, general = inline or above, general[1] or general[0]
+    return own if not general or own in ("", general) else f"{own}. {general}"
 
 
 def _group(name, doc, args_class, fields, defaults):
@@ -263,6 +271,11 @@ def parse_args(args_class, tiny_preset=None, argv=None):
         raise
     args = args_class(**{field.name: getattr(getattr(parsed, name), field.name)
                          for name, fields_ in groups.items() for field in fields_})
+    given = {flag_name(token[2:].split("=")[0]) for token in argv if token.startswith("--")}
+    if not preset and not resume and "--dataset" in given and args.dataset != defaults.dataset:
+        # another training set: the method's published reward and held-out sets were its own; RunArgs' unless given
+        args = dataclasses.replace(args, **{field.name: field.default for field in dataclasses.fields(RunArgs)
+                                            if field.name in DATA_FIELDS and flag_name(field.name) not in given})
     check_ranges(args)
     if resume:
         check_resume(args, defaults, *point)

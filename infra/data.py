@@ -1,6 +1,7 @@
 """Datasets: rows {"question", "answer", "answer_format"} from the built-in task, a .jsonl / .json / .parquet file
-or a hub dataset id, with `file:line` errors for bad rows; and the order in which training rows are drawn (a
-function of the step alone, so a resumed run sees the same data).
+or a hub dataset id (org/name, org/name:config; infra/hub.py), with `file:line` errors for bad rows; the start lines
+naming a method's own data defaults; and the order in which training rows are drawn (a function of the step alone,
+so a resumed run sees the same data).
 
 Layouts read without flags: plain rows (`question`/`problem`/`prompt` and `answer`/`solution`/`ground_truth`),
 verl's (DAPO-Math-17k: `prompt` a list of chat messages, the gold in `reward_model.ground_truth`) and slime's
@@ -16,11 +17,11 @@ import sys
 import numpy as np
 
 from common import extract_answer
-from infra import UserError, answer_line
+from infra import UserError, answer_line, hub
 from infra.tiny import DIGITS, builtin_rows
 
 QUESTION_FIELDS = ("question", "problem", "prompt")
-ANSWER_FIELDS = ("answer", "solution", "ground_truth", "label", "reward_model.ground_truth")
+ANSWER_FIELDS = ("answer", "final_answer", "solution", "ground_truth", "label", "reward_model.ground_truth")
 ANSWER_FORMATS = ("auto", "boxed", "answer-line")
 
 
@@ -198,8 +199,7 @@ def builtin_digits(spec, flag="--dataset"):
     if not valid or int(bounds[0]) > int(bounds[-1]):
         raise UserError(f"{flag} {spec!r}: the built-in task is `builtin`, `builtin:N` (N digits from 1 to 12), "
                         f"`builtin:A-B` (each problem's digits drawn from A to B, A <= B), `builtin:words` or "
-                        f"`builtin:early` "
-                        f"(6 digits, one carry: after the units column)")
+                        f"`builtin:early` (6 digits, one carry: after the units column)")
     return int(bounds[0]) if len(bounds) == 1 else (int(bounds[0]), int(bounds[1]))
 
 
@@ -218,19 +218,10 @@ def load_rows(spec, split="train", n_builtin=None, seed=0, skip_bad_rows=False, 
                 for i, row in enumerate(rows)]
     if os.path.exists(spec):
         raw = _read_file_rows(spec, flag)
-    elif spec.endswith(DATA_EXTENSIONS) or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
-        raise UserError(f"{flag} {spec!r}: no such file (or a hub id: org/name)")
-    else:
-        try:  # not in requirements.txt: a hub id is the one use of this large package
-            import datasets
-        except ImportError:
-            raise UserError(f"{flag} {spec!r}: a hub dataset id needs the `datasets` package: pip install datasets "
-                            f"(or give a .jsonl/.json/.parquet file)") from None
-        try:
-            raw = [(f"{spec}[{i}]", r) for i, r in enumerate(datasets.load_dataset(spec, split=split))]
-        except Exception as error:  # hub unreachable, no such dataset or split ...
-            raise UserError(f"{flag} {spec!r}: not a local file and the hub dataset could not be loaded "
-                            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})")
+    elif spec.endswith(DATA_EXTENSIONS) or not hub.is_hub_dataset(spec):
+        raise UserError(f"{flag} {spec!r}: no such file (or a hub id: org/name, org/name:config)")
+    else:  # the split asked for, or the dataset's only one
+        raw = [(f"{spec}[{i}]", r) for i, r in enumerate(hub.dataset_rows(spec, split, flag))]
     rows, bad = [], []
     for where, row in raw:
         try:
@@ -260,7 +251,7 @@ def load_eval_sets(specs, limit=0, skip_bad_rows=False, train_spec="builtin"):
     specs = [specs] if isinstance(specs, str) else specs
     for spec in [s.strip() for item in specs for s in item.split(",") if s.strip()]:
         spec = train_spec if spec == "builtin" and train_spec.startswith("builtin:") else spec
-        name = os.path.splitext(os.path.basename(spec))[0]
+        name = os.path.splitext(os.path.basename(spec.partition(":")[0] if hub.is_hub_dataset(spec) else spec))[0]
         name = os.path.basename(os.path.dirname(spec)) or name if name in ("test", "train", "validation") else name
         base, copy = name, 1
         while name in sets:
@@ -269,6 +260,20 @@ def load_eval_sets(specs, limit=0, skip_bad_rows=False, train_spec="builtin"):
         sets[name] = load_rows(spec, "test", n_builtin=limit or 256, skip_bad_rows=skip_bad_rows,
                                flag="--eval-datasets")[:limit or None]
     return sets
+
+
+def choices(args, trainer):
+    """A start line for each data flag at its method file's own default (a real model's published training set,
+    reward and held-out sets): the value, whose choice it is (the label of its field in Args) and how to change it."""
+    from infra.cli import field_help
+    lines, own = [], vars(type(args)).get("__annotations__", {})
+    for name, what, flag in (("dataset", "training set", "--dataset FILE"), ("answer_format", "reward",
+                             "--answer-format"), ("eval_datasets", "held-out sets", "--eval-datasets")):
+        label, value = re.search(r"\((\w[\w/]*)[^;)]*; ([^)]*)\)", field_help(type(args), name)), getattr(args, name)
+        if name in own and label and value == type(args).__dataclass_fields__[name].default:
+            lines.append(f"{what}: {', '.join(value) if isinstance(value, tuple) else value}, {trainer}'s default "
+                         f"({label[1]}: {label[2]}; {flag} to change)")
+    return lines
 
 
 NO_EVAL_SETS = "held-out evaluation: none (no --eval-datasets given, e.g. --eval-datasets math500.jsonl aime24.jsonl)"

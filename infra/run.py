@@ -20,7 +20,7 @@ from infra.checkpoint import _checkpoint_steps, load_checkpoint, rng_state, save
 from infra.checks import check_integrations
 from infra.engine import check_generator, make_generator, stop_token_ids
 from infra.evaluate import eval_table, evaluate
-from infra.hub import check_model_source
+from infra.hub import check_dataset_sources, check_model_source
 from infra.log import Logger
 from infra.resume import WHERE, command, fixed_steps, resume_point, run_directory, saved_settings, train_further
 from infra.samples import SampleLog, rollout_records, shown
@@ -75,16 +75,19 @@ class Run:
         self.gpu_share = memory.check(args, trainer_file, self.device)
         if self.device.startswith("cpu") or args.offload_optimizer:  # host memory: freed blocks reused, not re-faulted
             memory.keep_freed_host_memory()
+        check_dataset_sources("" if args.eval_only else args.dataset, args.eval_datasets,  # offline: one line
+                              [f"--answer-format {args.answer_format}"] * (args.answer_format != "auto"))
         self.dir = run_directory(args, trainer_file)  # a clash with an existing run fails before any model loads
         self.resume_path, self.resumed_step = resume_point(args.resume)[1:] if args.resume else (None, 0)
-        self.train_rows = data.load_rows(args.dataset, "train", n_builtin=65536, seed=args.seed,
-                                         skip_bad_rows=args.skip_bad_rows, question_field=args.question_field,
-                                         answer_field=args.answer_field, answer_format=args.answer_format)
+        self.train_rows = [] if args.eval_only else data.load_rows(
+            args.dataset, "train", n_builtin=65536, seed=args.seed, skip_bad_rows=args.skip_bad_rows,
+            question_field=args.question_field, answer_field=args.answer_field, answer_format=args.answer_format)
         self.eval_sets = data.load_eval_sets(args.eval_datasets, args.eval_problems, args.skip_bad_rows,
                                             args.dataset)
-        if dist.rank() == 0:  # what auto decided, before any model loads
-            print(data.describe(args.dataset, self.train_rows), *(data.describe(name, rows) for name, rows in
-                                                                    self.eval_sets.items()), sep="\n")
+        if dist.rank() == 0:  # what was chosen, by whom, and what auto decided, before any model loads
+            print(*data.choices(args, os.path.basename(trainer_file)), *[data.describe(args.dataset, self.train_rows)]
+                  * bool(self.train_rows), *(data.describe(name, rows) for name, rows in self.eval_sets.items()),
+                  sep="\n")
             if not self.eval_sets:
                 print(data.NO_EVAL_SETS)
         self.probe_rows = next(iter(self.eval_sets.values()), [])  # held-out prompts of the critic probes (cli:

@@ -1,8 +1,9 @@
 """Helpers several test files share: reading a run's metrics, comparing two runs' records, killing a run to resume
-it, the trainers' tables of flags extended to forks, and the checks of the Qwen-like fixture's turn end (with HF
-generate and with vLLM)."""
+it, the trainers' tables of flags extended to forks, the checks of the Qwen-like fixture's turn end (with HF
+generate and with vLLM), and hub datasets written into a local `datasets` cache."""
 import contextlib
 import difflib
+import glob
 import json
 import math
 import os
@@ -179,3 +180,29 @@ def check_qwen_like_run(run_dir, stdout):
         assert record["truncated"] == 0.0 and record["response_length"] < 40, record
     assert steps[0]["eval/accuracy"] > 0, steps[0]
     assert "rollouts stop at <|endoftext|> (339), <|im_end|> (341)" in stdout.splitlines()
+
+
+def cache_hub_dataset(cache_dir, repo, splits, config="default"):
+    """Hub dataset `repo` (org/name) with {split: rows} written into the `datasets` cache `cache_dir` as a download
+    leaves it (<org>___<name>/<config>/<version>/<hash>/<name>-<split>.arrow beside its dataset_info.json), by
+    `datasets`' own JSON builder: what `datasets.load_dataset(repo)` reads there offline."""
+    from datasets.naming import camelcase_to_snakecase
+    from datasets.packaged_modules.json.json import Json
+    org, name = repo.split("/")
+    name = camelcase_to_snakecase(name)  # as `datasets` names the folder and files (MATH-500: math-500)
+    work = os.path.join(cache_dir, "..", "hub-sources", org, config)
+    os.makedirs(work, exist_ok=True)
+    for split, rows in splits.items():
+        with open(os.path.join(work, f"{name}-{split}.jsonl"), "w") as handle:
+            handle.writelines(json.dumps(row) + "\n" for row in rows)
+    builder = Json(cache_dir=work, dataset_name=name, config_name=config, config_id=config, hash="0" * 16,
+                   data_files={split: os.path.join(work, f"{name}-{split}.jsonl") for split in splits})
+    import datasets
+    shown = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # quiet: tests read stderr
+    try:
+        builder.download_and_prepare()
+    finally:
+        if shown:
+            datasets.enable_progress_bars()
+    shutil.copytree(os.path.join(work, name), os.path.join(cache_dir, f"{org}___{name}"), dirs_exist_ok=True)

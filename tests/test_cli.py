@@ -238,3 +238,30 @@ def test_resumed_settings_are_the_defaults_and_the_pair_stays_a_pair(tmp_path):
     args = infra.cli.parse_args(ppo.Args, ppo.TINY_PRESET, ["--resume", str(run)])
     assert args.adam_betas == (0.8, 0.9) and args.lr == 3e-5 and args.steps == 30
     assert math.isclose(args.critic_lr, 5e-4)
+
+
+def test_a_real_models_data_defaults_are_its_methods_and_another_dataset_keeps_none_of_them():
+    # Issue 46: a real model trains on its method's published set and evaluates on the paper's held-out sets, each
+    # from the file's Args; a --dataset of one's own takes neither the method's reward rule nor its held-out sets
+    # (RunArgs' auto and none, unless given); the tiny demo keeps its built-in task
+    import sp3o
+    import spo
+
+    def parse(module, argv):
+        args = infra.cli.parse_args(module.Args, module.TINY_PRESET, argv)
+        return args.dataset, args.answer_format, args.eval_datasets
+    six = ("HuggingFaceH4/aime_2024", "MathArena/aime_2025", "MathArena/aime_2026", "math-ai/amc23",
+           "HuggingFaceH4/MATH-500", "math-ai/minervamath")
+    real = ["--model", "Qwen3-4B-Base"]
+    assert parse(sp3o, real) == ("zhuzilin/dapo-math-17k", "boxed", six)
+    assert parse(spo, real) == ("openai/gsm8k:main", "boxed", ("openai/gsm8k:main",))
+    assert parse(sp3o, [*real, "--dataset", "mine.jsonl"]) == ("mine.jsonl", "auto", ())
+    assert parse(sp3o, [*real, "--dataset=mine.jsonl", "--answer_format", "boxed", "--eval-datasets", "a.jsonl"]) == (
+        "mine.jsonl", "boxed", ("a.jsonl",))
+    assert parse(sp3o, [*real, "--dataset", "zhuzilin/dapo-math-17k"]) == ("zhuzilin/dapo-math-17k", "boxed", six)
+    assert parse(sp3o, []) == ("builtin", "auto", ("builtin",))  # the demo
+    assert parse(sp3o, ["--dataset", "mine.jsonl"]) == ("mine.jsonl", "auto", ("builtin",))
+    # --help: the method's choice and its source, then what the flag takes (RunArgs' description)
+    assert infra.cli.field_help(sp3o.Args, "dataset").startswith(
+        "training set (SP3O: zhuzilin/dapo-math-17k; slime's DAPO-Math-17k). training problems: `builtin` (")
+    assert infra.cli.field_help(sp3o.Args, "model") == infra.cli.field_help(infra.cli.RunArgs, "model")

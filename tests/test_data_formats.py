@@ -15,9 +15,10 @@ import pytest
 import common
 import infra.data
 import infra.evaluate
+import infra.hub
 from infra import UserError
 from infra.answer_line import ANSWER_LINE_PREFIX, ANSWER_LINE_SUFFIX
-from helpers import with_forks
+from helpers import cache_hub_dataset, with_forks
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 SLIME_JSONL = os.path.join(FIXTURES, "slime_format.jsonl")
@@ -140,24 +141,106 @@ def test_a_hub_id_without_the_datasets_package_names_the_install(monkeypatch):
                                     "datasets (or give a .jsonl/.json/.parquet file)")
 
 
-def test_a_hub_id_loads_through_datasets_and_names_a_hub_failure(monkeypatch):
-    import types
-    with open(os.path.join(FIXTURES, "verl_format_rows.json")) as handle:
-        verl_rows = json.load(handle)
-    calls = []
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An empty local `datasets` cache and a hub that cannot be reached: a hub id loads from the cache or not at all
+    (cache_hub_dataset writes one there as a download leaves it)."""
+    datasets = pytest.importorskip("datasets")
+    cache = tmp_path / "hf-datasets"
+    cache.mkdir()
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cache))
+    monkeypatch.setattr(infra.hub, "hub_unreachable", lambda: "ConnectError: no network in this test")
+    return str(cache)
 
-    def load_dataset(name, split):
-        calls.append((name, split))
-        if name != HUB_ID:
-            raise ConnectionError(f"Couldn't reach '{name}' on the Hub (LocalEntryNotFoundError)\nmore lines")
-        return verl_rows
-    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
-    rows = infra.data.load_rows(HUB_ID, "train")
-    assert calls == [(HUB_ID, "train")] and len(rows) == len(verl_rows)
-    assert rows[0]["question"] == [{"role": "user", "content": DAPO_PROMPT}] and rows[0]["answer"] == "5"
-    with pytest.raises(UserError, match=r"^--dataset 'org/missing': not a local file and the hub dataset could not "
-                                        r"be loaded \(ConnectionError: Couldn't reach 'org/missing' on the Hub"):
-        infra.data.load_rows("org/missing")
+
+def slime_rows():
+    """The slime fixture's rows with one label type per column, as a hub copy stores them (an Arrow column)."""
+    with open(SLIME_JSONL) as handle:
+        rows = [json.loads(line) for line in handle]
+    return [dict(row, label=row["label"][0] if isinstance(row["label"], list) else row["label"]) for row in rows]
+
+
+def test_a_hub_dataset_in_the_local_cache_loads_offline_through_the_same_code(hub_cache, verl_parquet, tmp_path,
+                                                                               monkeypatch):
+    # slime's layout (SP3O's default, zhuzilin/dapo-math-17k: chat `prompt`, `label`) and verl's (the hub's
+    # BytedTsinghua-SIA/DAPO-Math-17k: chat `prompt`, `reward_model.ground_truth`) give the rows their files give
+    import datasets
+    cache_hub_dataset(hub_cache, HUB_ID, {"train": slime_rows()})
+    offline, load_dataset = [], datasets.load_dataset  # datasets' offline mode while the hub cannot be reached:
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: offline.append(datasets.config.HF_HUB_OFFLINE)
+                        or load_dataset(*a, **k))  # no retries of the network (5 over 23 s here, online mode)
+    local = tmp_path / "slime.jsonl"
+    local.write_text("".join(json.dumps(row) + "\n" for row in slime_rows()))
+    rows = infra.data.load_rows(HUB_ID)
+    assert rows == infra.data.load_rows(str(local)) and [r["answer"] for r in rows] == ["6", "12", "1234", "6"]
+    assert [r["answer_format"] for r in rows] == ["answer-line", "boxed", "answer-line", "boxed"]
+    assert rows[0]["question"][0]["content"].endswith('Remember to put your answer on its own line after "Answer:".')
+    assert {r["answer_format"] for r in infra.data.load_rows(HUB_ID, answer_format="boxed")} == {"boxed"}
+    assert offline == [True, True] and datasets.config.HF_HUB_OFFLINE is False  # and set back after each load
+    with open(os.path.join(FIXTURES, "verl_format_rows.json")) as handle:
+        cache_hub_dataset(hub_cache, "BytedTsinghua-SIA/DAPO-Math-17k", {"train": json.load(handle)})
+    verl = infra.data.load_rows("BytedTsinghua-SIA/DAPO-Math-17k")
+    assert verl == infra.data.load_rows(verl_parquet) and verl[0]["question"] == [{"content": DAPO_PROMPT,
+                                                                                    "role": "user"}]
+
+
+def test_the_benchmarks_hub_copies_give_questions_and_gold_answers(hub_cache, shared_file):
+    # the layouts of the default held-out sets' hub copies, filled with the real files of ../shared/data: AIME24
+    # (HuggingFaceH4/aime_2024: one split, `train`), MATH500 and AMC23 (their `test`); GSM8K's `main` config
+    def read(relative, count=None):
+        with open(shared_file(relative)) as handle:
+            return [json.loads(line) for line in handle][:count]
+    cache_hub_dataset(hub_cache, "HuggingFaceH4/aime_2024", {"train": read("aime24/test.jsonl")})
+    cache_hub_dataset(hub_cache, "HuggingFaceH4/MATH-500", {"test": read("math500/test.jsonl")})
+    cache_hub_dataset(hub_cache, "math-ai/amc23", {"test": [{k: r[k] for k in ("id", "question", "answer", "url")}
+                                                            for r in read("amc23/test.jsonl")]})
+    cache_hub_dataset(hub_cache, "openai/gsm8k", {"train": read("gsm8k/train.jsonl", 20),
+                                                  "test": read("gsm8k/test.jsonl", 20)}, config="main")
+    sets = infra.data.load_eval_sets(["HuggingFaceH4/aime_2024", "HuggingFaceH4/MATH-500", "math-ai/amc23",
+                                      "openai/gsm8k:main"])
+    assert list(sets) == ["aime_2024", "MATH-500", "amc23", "gsm8k"]  # named as their files would be
+    for name, relative in (("aime_2024", "aime24"), ("MATH-500", "math500"), ("amc23", "amc23")):
+        assert sets[name] == infra.data.load_rows(shared_file(f"{relative}/test.jsonl")), name
+    assert [len(rows) for rows in sets.values()] == [30, 500, 40, 20]
+    assert sets["aime_2024"][0]["answer"] == "204" and sets["amc23"][0]["answer"] == "27"  # 27.0 in the file
+    assert sets["MATH-500"][0]["answer"] == "\\left( 3, \\frac{\\pi}{2} \\right)"
+    assert all(isinstance(r["question"], str) and r["answer_format"] == "boxed" for rows in sets.values()
+               for r in rows)
+    train = infra.data.load_rows("openai/gsm8k:main", "train")  # --dataset reads `train`, a held-out set `test`
+    assert train[0]["answer"] == "72" and sets["gsm8k"][0]["answer"] == "18"  # after GSM8K's ####
+    # OlympiadBench's layout (math-ai/olympiadbench): the gold a one-item list in `final_answer`, before `solution`
+    row = {"question": "Find $x$.", "solution": ["Since ... $x=\\frac{1}{2}$."], "final_answer": ["$\\frac{1}{2}$"]}
+    assert infra.data.row_to_example(row, "olympiad[0]")["answer"] == "$\\frac{1}{2}$"
+
+
+def test_a_hub_id_takes_a_config_and_its_split_is_asked_or_its_only_one(hub_cache):
+    cache_hub_dataset(hub_cache, "openai/gsm8k", {"train": [{"question": "1+1?", "answer": "#### 2"}],
+                                                  "test": [{"question": "2+2?", "answer": "#### 4"}]}, config="main")
+    assert infra.data.load_rows("openai/gsm8k:main", "train")[0]["answer"] == "2"
+    assert infra.data.load_eval_sets("openai/gsm8k:main") == {"gsm8k": [
+        {"question": "2+2?", "answer": "4", "answer_format": "boxed"}]}
+    with pytest.raises(UserError, match=r"^--dataset 'openai/gsm8k:main': no 'validation' split \(it has train, "
+                                        r"test\)$"):
+        infra.data.load_rows("openai/gsm8k:main", "validation")
+    with pytest.raises(UserError) as error:  # a config not in the cache: datasets' own reason, in one line
+        infra.data.load_rows("openai/gsm8k:socratic", flag="--eval-datasets")
+    assert str(error.value).startswith("--eval-datasets 'openai/gsm8k:socratic': not a local file and the hub dataset "
+                                       "could not be loaded (ValueError: Couldn't find cache for openai/gsm8k for "
+                                       "config 'socratic')") and "\n" not in str(error.value)
+    for spec in ("./gsm8k", "openai/gsm8k:main:x", "a/b/c"):  # paths, not hub ids
+        with pytest.raises(UserError, match="no such file"):
+            infra.data.load_rows(spec)
+
+
+def test_python_m_infra_hub_writes_the_files_a_refusal_names(hub_cache, tmp_path, monkeypatch):
+    cache_hub_dataset(hub_cache, HUB_ID, {"train": slime_rows()})
+    cache_hub_dataset(hub_cache, "math-ai/amc23", {"test": [{"question": "1+1?", "answer": 2.0}]})
+    monkeypatch.chdir(tmp_path)
+    infra.hub.main(["--dataset", HUB_ID, "--eval-datasets", "math-ai/amc23"])
+    assert infra.hub.dataset_file(HUB_ID, "--dataset") == "dapo-math-17k/train.jsonl"
+    assert infra.data.load_rows("dapo-math-17k/train.jsonl") == infra.data.load_rows(HUB_ID)
+    assert infra.data.load_eval_sets("amc23/test.jsonl") == infra.data.load_eval_sets("math-ai/amc23") == {
+        "amc23": [{"question": "1+1?", "answer": "2", "answer_format": "boxed"}]}  # the same name, the same rows
 
 
 def test_a_trainer_refuses_a_hub_id_without_datasets_before_any_model_loads(monkeypatch, tmp_path, capsys):
@@ -172,6 +255,96 @@ def test_a_trainer_refuses_a_hub_id_without_datasets_before_any_model_loads(monk
     assert exit_code.value.code == 2 and error.count("\n") == 1 and "pip install datasets" in error, error
     assert error.startswith(f"grpo.py: error: --dataset '{HUB_ID}': a hub dataset id needs the `datasets` package")
     assert os.listdir(tmp_path) == []  # no run folder left behind
+
+
+SMALL = ["--max-response-tokens", "64", "--eval-max-tokens", "64"]  # a memory plan that fits any machine
+SP3O_EVAL = ("HuggingFaceH4/aime_2024", "MathArena/aime_2025", "MathArena/aime_2026", "math-ai/amc23",
+             "HuggingFaceH4/MATH-500", "math-ai/minervamath")  # sp3o.py's default held-out sets
+
+
+def run_trainer(trainer, argv, monkeypatch, capsys):
+    """(exit code, stderr) of `python <trainer>.py argv` in-process, failing the test if a model loads."""
+    import infra.run
+    module = importlib.import_module(trainer)
+    monkeypatch.setattr(common, "load_model", lambda *args, **kwargs: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(sys, "argv", [f"{trainer}.py", *argv])
+    with pytest.raises(SystemExit) as exit_code:
+        infra.run.run_main(module.main)
+    return exit_code.value.code, capsys.readouterr().err
+
+
+def test_offline_a_real_models_default_data_is_refused_in_one_line_naming_the_files(hub_cache, qwen_like_path,
+                                                                                     monkeypatch, capsys, tmp_path):
+    # `python sp3o.py --model <a real model>` offline with nothing cached: one line, before any model loads, naming
+    # the sets, the command that writes them as files where the hub can be reached, and the flags taking the files
+    argv = ["--model", qwen_like_path, "--output-dir", str(tmp_path / "runs"), *SMALL]
+    code, error = run_trainer("sp3o", argv, monkeypatch, capsys)
+    files = [infra.hub.dataset_file(spec, "--eval-datasets") for spec in SP3O_EVAL]
+    assert code == 2 and error.count("\n") == 1, error
+    assert error == (
+        f"sp3o.py: error: --dataset and --eval-datasets: {HUB_ID}, {', '.join(SP3O_EVAL)} are not in the Hugging "
+        f"Face cache ({hub_cache}) and the hub cannot be reached (ConnectError: no network in this test); download "
+        f"them where it can (`python -m infra.hub --dataset {HUB_ID} --eval-datasets {' '.join(SP3O_EVAL)}` writes "
+        f"dapo-math-17k/train.jsonl, {', '.join(files)}; or copy that cache here) or pass local files: --dataset "
+        f"dapo-math-17k/train.jsonl --answer-format boxed --eval-datasets {' '.join(files)}\n")
+    assert files[0] == "aime_2024/test.jsonl" and not os.path.exists(tmp_path / "runs")
+    # the training set cached: only the held-out sets are named, the cached ones kept by their hub ids
+    cache_hub_dataset(hub_cache, HUB_ID, {"train": slime_rows()})
+    cache_hub_dataset(hub_cache, "HuggingFaceH4/aime_2024", {"train": [{"problem": "1+1?", "answer": "2"}]})
+    code, error = run_trainer("sp3o", argv, monkeypatch, capsys)
+    assert code == 2 and error.count("\n") == 1 and error.startswith(
+        f"sp3o.py: error: --eval-datasets: {', '.join(SP3O_EVAL[1:])} are not in the Hugging Face cache"), error
+    assert error.endswith(f"or pass local files: --eval-datasets HuggingFaceH4/aime_2024 {' '.join(files[1:])}\n")
+    # a file of one's own as --dataset: the method's held-out sets are not asked for, nothing is refused
+    code, error = run_trainer("sp3o", [*argv, "--dataset", SLIME_JSONL, "--steps", "0"], monkeypatch, capsys)
+    assert "not in the Hugging Face cache" not in error and "--steps must be at least 1" in error
+
+
+@pytest.fixture
+def every_default_set(hub_cache):
+    """The local cache holding, in a few rows each, every hub dataset the six files default to for a real model."""
+    question = [{"problem": "What is 1+1?", "answer": "2"}]
+    cache_hub_dataset(hub_cache, HUB_ID, {"train": slime_rows()})
+    for spec in SP3O_EVAL:
+        cache_hub_dataset(hub_cache, spec, {"train" if spec.startswith(("HuggingFaceH4/aime", "MathArena"))
+                                            else "test": question})
+    cache_hub_dataset(hub_cache, "openai/gsm8k", {"train": [{"question": "1+1?", "answer": "#### 2"}],
+                                                  "test": [{"question": "2+2?", "answer": "#### 4"}]}, config="main")
+    return hub_cache
+
+
+@pytest.mark.parametrize("trainer", ["ppo", "grpo", "sp3o", "tppo", "sppo", "spo"])
+def test_the_start_lines_name_each_default_choice_and_how_to_change_it(trainer, every_default_set, qwen_like_path,
+                                                                      tmp_path, capsys):
+    import infra.cli
+    import infra.run
+    module = importlib.import_module(trainer)
+    args = infra.cli.parse_args(module.Args, module.TINY_PRESET, ["--model", qwen_like_path, "--output-dir",
+                                                                  str(tmp_path), *SMALL])
+    run = infra.run.Run(args, f"{trainer}.py")
+    lines = capsys.readouterr().out.splitlines()
+    chosen = [line for line in lines if line.endswith(" to change)")]
+    assert [line.split(":")[0] for line in chosen] == ["training set", "reward", "held-out sets"], lines
+    assert chosen[0].startswith(f"training set: {args.dataset}, {trainer}.py's default (")
+    assert chosen[0].endswith("; --dataset FILE to change)") and chosen[1].startswith("reward: boxed, ")
+    assert chosen[2].startswith(f"held-out sets: {', '.join(args.eval_datasets)}, {trainer}.py's default (")
+    assert len(run.eval_sets) == len(args.eval_datasets) and len(run.train_rows) in (1, 4)  # loaded, then described
+    assert infra.data.describe(args.dataset, run.train_rows) in lines and infra.data.NO_EVAL_SETS not in lines
+    if trainer == "sp3o":  # the source and the reason, from the label of the field in sp3o.py's Args
+        assert chosen == [
+            f"training set: {HUB_ID}, sp3o.py's default (SP3O: slime's DAPO-Math-17k; --dataset FILE to change)",
+            "reward: boxed, sp3o.py's default (SP3O/SPPO: the last \\boxed{}; --answer-format to change)",
+            f"held-out sets: {', '.join(SP3O_EVAL)}, sp3o.py's default (SP3O: the six of its eval.example.yaml, by "
+            "hub ids; --eval-datasets to change)"]
+        assert f"{HUB_ID}: 4 rows, prompts: chat messages, reward: boxed" in lines
+        assert "aime_2025: 1 rows, prompts: questions, reward: boxed" in lines
+    # another training set: no default is named, no held-out set is loaded, and auto decides the reward
+    args = infra.cli.parse_args(module.Args, module.TINY_PRESET, ["--model", qwen_like_path, "--dataset",
+                                                                  SLIME_JSONL, "--output-dir", str(tmp_path), *SMALL])
+    infra.run.Run(args, f"{trainer}.py")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2:] == [f"{SLIME_JSONL}: 4 rows, prompts: chat messages, reward: answer-line (2) + boxed (2)",
+                          infra.data.NO_EVAL_SETS] and not any(line.endswith(" to change)") for line in lines)
 
 
 def test_chat_prompt_exact_tokens_with_a_chat_template(tokenizer, verl_parquet):

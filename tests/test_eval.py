@@ -217,8 +217,9 @@ def test_eval_only_on_math500_end_to_end(trainer, tmp_path):
 
 def test_a_real_model_evaluates_only_what_is_asked(qwen_like_path, tmp_path, capsys):
     """Issue 39: a real model's run evaluates no built-in task unless asked; on a dataset file without
-    --eval-datasets its start lines say there is no held-out evaluation, and evaluate() does nothing. The tiny demo
-    keeps its preset's `builtin`; --eval-only and the critic probes (held-out prompts) are refused without sets."""
+    --eval-datasets its start lines say there is no held-out evaluation, and evaluate() does nothing (issue 46: with
+    no --dataset it evaluates its method's published held-out sets). The tiny demo keeps its preset's `builtin`;
+    --eval-only and the critic probes (held-out prompts) are refused without sets."""
     import grpo
     import ppo
     import infra.cli
@@ -238,7 +239,9 @@ def test_a_real_model_evaluates_only_what_is_asked(qwen_like_path, tmp_path, cap
     for trainer, argv in ((grpo, ["--eval-only"]), (ppo, ["--probe-every", "1"])):
         flag = argv[0]
         with pytest.raises(infra.UserError, match=f"^{flag} needs held-out problems: give --eval-datasets"):
-            infra.cli.parse_args(trainer.Args, trainer.TINY_PRESET, [*real, *argv])
+            infra.cli.parse_args(trainer.Args, trainer.TINY_PRESET, [*real, "--dataset", fixture, *argv])
+        assert infra.cli.parse_args(trainer.Args, trainer.TINY_PRESET, [*real, *argv]).eval_datasets == \
+            trainer.Args.eval_datasets  # the method's published sets
         with pytest.raises(infra.UserError, match=f"^{flag} needs held-out problems"):  # none, explicitly
             infra.cli.parse_args(trainer.Args, trainer.TINY_PRESET, [*argv, "--eval-datasets"])
         assert infra.cli.parse_args(trainer.Args, trainer.TINY_PRESET, argv)  # the demo's builtin: allowed

@@ -359,7 +359,7 @@ def test_check_returns_the_share_the_engine_gets(tmp_path, capsys):
     import grpo
     directory = qwen3_4b_config(tmp_path / "qwen3-4b")
     auto = infra.cli.parse_args(grpo.Args, None, ["--model", directory, "--gpu-memory-gib", "141", "--generator", "hf",
-                                                  "--max-response-tokens", "1024"])
+                                                  "--max-response-tokens", "1024", "--eval-datasets"])  # none
     assert memory.check(auto, "grpo.py", "cpu") == 0.3  # the HF engine: no vLLM share to size
     auto.generator = "vllm"
     share = memory.check(auto, "grpo.py", "cpu")
@@ -378,8 +378,9 @@ def test_the_hf_engines_cache_is_the_runs_own_batch(tmp_path, monkeypatch):
     import sppo
     directory = qwen3_4b_config(tmp_path / "qwen3-4b")
 
-    def generated(args_class, *flags):
-        args = infra.cli.parse_args(args_class, None, ["--model", directory, "--generator", "hf", *flags])
+    def generated(args_class, *flags):  # no held-out sets unless given (a real model's default: its method's)
+        args = infra.cli.parse_args(args_class, None, ["--model", directory, "--generator", "hf", "--eval-datasets",
+                                                       *flags])
         return memory.setup_for(args, "cpu", 0)[0].generated
     small = ["--prompts-per-step", "4", "--samples-per-prompt", "8", "--max-response-tokens", "128"]
     assert generated(grpo.Args, *small) == (32, 1024 + 128)
