@@ -25,6 +25,23 @@ Each method, phase and length runs in a fresh process; its peak memory is that p
 settings (a CPU process, bf16 compute, the HF engine), its update or rollout column. One torch thread
 (OMP_NUM_THREADS=1): on the shared 2-core machine at load 2.6 the GRPO update at 1,024 tokens took 11.4 s with 1
 thread, 15.1 s with 2. On the shared CPU machine wall times are inflated by other processes: the table prints the load.
+
+    OMP_NUM_THREADS=1 python benchmarks/rehearsal.py --terms   # the plan's transient terms, term by term (a minute)
+
+--terms measures the plan's transient terms against the live tensor bytes torch allocates, on CPU at scaled shapes
+(torch.profiler's memory events: every allocation and free of the phase, so the figure is exact and does not depend
+on the allocator or the load):
+- layer backward: a 2-layer Qwen3-shaped model (random weights, vocabulary 64 so the head is negligible), the
+  backward pass of its first decoder layer: its peak above the bytes live when that layer's backward starts, per
+  token, against infra.memory_plan.training_pass's 2bI (b: bytes of the compute dtype, I: the MLP width); with
+  gradient checkpointing, against the recomputed layer's saved tensors + 2bI. Shapes vary I, h and the query width.
+- optimizer step: torch.optim.AdamW's step (and gradient clipping) with foreach=True (torch's default on CUDA) and
+  foreach=False (its default on CPU), its peak above the states, against 4 bytes a parameter and 8 bytes x the
+  largest tensor (infra.memory_plan.optimizer_temporaries).
+- FSDP2's root unit: a tied model whose embedding dominates (vocabulary 262,144 x hidden 256), sharded with FSDP2
+  as infra.dist.shard_model does (bf16 compute, float32 reduce) on a gloo world of one; the peak of a forward and
+  backward pass above its start, per vocabulary x hidden, against the plan's (b + 4) gradient buffers + b for the
+  gathered root unit (compute copies).
 """
 import argparse
 import json
@@ -38,6 +55,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from infra.memory import GIB, PROMPT_TOKENS, Setup, Shape, plan  # noqa: E402
+from infra.memory_plan import training_pass  # noqa: E402
 
 TOLERANCE = 0.2  # the plan must be within +-20% of the measured peak
 SHAPE_FLAGS = dict(hidden="hidden_size", heads="num_attention_heads", kv_heads="num_key_value_heads",
@@ -235,6 +253,127 @@ def checks(results, tolerance=TOLERANCE):
     return failed
 
 
+MARK = 777_777  # bytes of a marker allocation: where a layer's backward starts (MARK) and ends (MARK + 1)
+
+
+def live_bytes(fn):
+    """fn()'s memory events as [(time, bytes)] (frees negative), in order, and its result."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    return events, result
+
+
+def peak_above_start(events, start=None, end=None):
+    """The highest live total in [start, end] less the total at start (markers left out), from the events."""
+    live, base, peak = 0, None if start else 0, 0
+    for time, size in events:
+        if abs(size) in (MARK, MARK + 1):
+            continue
+        if base is None and time >= start:
+            base = live
+        live += size
+        if base is not None and (end is None or time <= end):
+            peak = max(peak, live - base)
+    return peak
+
+
+def layer_backward(hidden, intermediate, heads, dtype, checkpointing, tokens=2048):
+    """(measured, planned) bytes per token of the first decoder layer's backward above its start."""
+    import torch
+
+    import common
+    from benchmarks.bench_update import build_model, random_batch
+    torch.manual_seed(0)
+    model = build_model("qwen3-0.6b-shape", "cpu", dtype, 2, hidden_size=hidden, intermediate_size=intermediate,
+                        num_attention_heads=heads, num_key_value_heads=2, head_dim=64, vocab_size=64).train()
+    if checkpointing:  # as common.load_model (its new name in transformers 5.25; the old one warns)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    for parameter in model.parameters():  # a second micro-batch: the gradients exist
+        parameter.grad = torch.zeros_like(parameter)
+    layer, marks = model.model.layers[0], []
+    layer.register_full_backward_pre_hook(lambda module, grad: marks.append(torch.empty(MARK, dtype=torch.uint8)))
+    layer.register_full_backward_hook(lambda module, gin, gout: marks.append(torch.empty(MARK + 1, dtype=torch.uint8)))
+    batch = random_batch(64, 1, 8, tokens - 8, "cpu")
+    events, _ = live_bytes(lambda: common.response_logprobs(model, batch).sum().backward())
+    start, end = (next(time for time, size in events if size == mark) for mark in (MARK, MARK + 1))
+    shape = Shape(hidden, 2, heads, 2, 64, intermediate, 64, True)
+    setup = Setup((("policy", shape, 0, True),), tokens=tokens, sequence=tokens, rows=1,
+                  compute_bytes=2 if dtype == "bfloat16" else 4)
+    _, activations, _, _, backward = training_pass(shape, 0, setup)
+    saved = activations / tokens - 2 * 4 * hidden - tokens  # one layer's: less the 2 checkpointed inputs, the mask
+    return peak_above_start(events, start, end) / tokens, backward / tokens + saved * checkpointing
+
+
+def optimizer_step(foreach):
+    """(measured bytes, parameters, largest tensor) of clip_grad_norm_ and an AdamW step above the states."""
+    import torch
+
+    from benchmarks.bench_update import build_model
+    torch.manual_seed(0)
+    model = build_model("qwen3-0.6b-shape", "cpu", "bfloat16", 2, hidden_size=256, intermediate_size=768,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=4096)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.98), weight_decay=0.1, foreach=foreach)
+    for parameter in model.parameters():
+        parameter.grad = torch.randn_like(parameter)
+    optimizer.step()  # the states exist
+
+    def step():
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    events, _ = live_bytes(step)
+    sizes = [parameter.numel() for parameter in model.parameters()]
+    return peak_above_start(events), sum(sizes), max(sizes)
+
+
+def fsdp_root(vocab=262144, hidden=256, tokens=512):
+    """(measured, planned) bytes per vocabulary x hidden of an FSDP2 model's forward + backward above its start."""
+    import torch
+
+    import common
+    from benchmarks.bench_update import build_model, random_batch
+    from infra import dist
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = build_model("qwen3-0.6b-shape", "cpu", "bfloat16", 2, hidden_size=hidden, intermediate_size=768,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=vocab).train()
+    model = dist.shard_model(model, model.compute_dtype)
+    batch = random_batch(vocab, 1, 8, tokens - 8, "cpu")
+    for _ in range(2):  # the sharded gradients exist: a second micro-batch
+        common.response_logprobs(model, batch).sum().backward()
+    events, _ = live_bytes(lambda: common.response_logprobs(model, batch).sum().backward())
+    shape = Shape(hidden, 2, 4, 2, 64, 768, vocab, True)
+    setup = Setup((("policy", shape, 0, True),), ranks=2, tokens=tokens, sequence=tokens, rows=1)  # sharded
+    root = shape.parameters() - 2 * shape.layer_parameters()  # embeddings and final norm: gathered in bf16
+    torch.distributed.destroy_process_group()
+    planned = training_pass(shape, 0, setup)[3] + 2 * root  # grad buffers + the gathered root (compute copies)
+    return peak_above_start(events) / (vocab * hidden), planned / (vocab * hidden)
+
+
+def terms_report():
+    """--terms: the table of the plan's transient terms against their measured live bytes."""
+    import torch
+    torch.set_num_threads(1)
+    print("| term | shape | measured | plan | plan / measured |\n|---|---|---:|---:|---:|")
+    for hidden, intermediate, heads, dtype, checkpointing in (
+            (256, 768, 4, "bfloat16", False), (256, 2048, 4, "bfloat16", False), (256, 3072, 4, "bfloat16", False),
+            (512, 3072, 4, "bfloat16", False), (256, 768, 8, "bfloat16", False), (256, 3072, 4, "float32", False),
+            (256, 768, 4, "bfloat16", True), (256, 3072, 4, "bfloat16", True), (256, 768, 8, "bfloat16", True)):
+        measured, planned = layer_backward(hidden, intermediate, heads, dtype, checkpointing)
+        what = "layer backward" + (" + its recomputed saved tensors (checkpointing)" if checkpointing else "")
+        print(f"| {what}, bytes a token | h {hidden}, I {intermediate}, q {heads * 64}, {dtype} | {measured:,.0f} | "
+              f"{planned:,.0f} | {planned / measured:.2f} |")
+    for foreach in (True, False):
+        measured, parameters, largest = optimizer_step(foreach)
+        planned = 4 * parameters if foreach else 8 * largest
+        print(f"| AdamW step, foreach={foreach}, bytes | {parameters:,} parameters, largest {largest:,} | "
+              f"{measured:,} | {planned:,} | {planned / measured:.3f} |")
+    measured, planned = fsdp_root()
+    print(f"| FSDP2 forward + backward above its start, bytes per V x h | V 262,144, h 256, bf16, world of one | "
+          f"{measured:.2f} | {planned:.2f} | {planned / measured:.2f} |")
+
+
 def main():
     from benchmarks.bench_update import SHAPES
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -256,7 +395,10 @@ def main():
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
     parser.add_argument("--response", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--terms", action="store_true", help="the plan's transient terms against their live bytes")
     args = parser.parse_args()
+    if args.terms:
+        return terms_report()
     if args.child:
         args.method, phase = args.child.split(":")
         return print(json.dumps(one_update(args) if phase == "update" else one_rollout(args)))

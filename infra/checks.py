@@ -10,7 +10,8 @@ import sys
 from infra import UserError
 
 POSITIVE_SIZES = ("prompts_per_step", "samples_per_prompt", "mini_batches", "epochs", "micro_batch_size", "eval_n",
-                  "keep_checkpoints", "max_skipped_updates", "max_response_tokens", "eval_max_tokens")
+                  "keep_checkpoints", "max_skipped_updates", "max_response_tokens", "eval_max_tokens",
+                  "hf_batch_size")
 POSITIVE_NUMBERS = ("lr", "critic_lr", "vllm_kv_cache_gib", "temperature", "grad_clip", "tis_cap")
 FRACTIONS = {"top_p": "(0, 1]", "eval_top_p": "(0, 1]", "gpu_memory_utilization": "[0, 1]", "prob_threshold": "(0, 1]",
              "gamma": "[0, 1]", "lam_actor": "[0, 1]", "lam_critic": "[0, 1]", "lr_warmup": "[0, 1)",

@@ -68,6 +68,9 @@ class RunArgs:
     gradient_checkpointing: bool = True  # recompute activations in the backward pass (less memory, ~30% slower)
     offload_optimizer: bool = False  # float32 weights, gradients and AdamW states in CPU memory (FSDP2 CPU offload)
     gpu_memory_gib: float = 0.0  # plan for GPUs of this size and refuse a run that cannot fit (0: the device's own)
+    gpus: int = 0  # GPUs the memory plan may suggest using (0: the CUDA devices here, else 1; torchrun: its world)
+    plan_only: bool = False  # print the memory plan and the flags that fit, load nothing; exit 0 if it fits, else 1
+    hf_batch_size: int = 256  # sequences per Hugging Face generate call: its KV cache holds them at once
     eval_every: int = 50  # evaluate every N steps (and always at the first and last step; 0: only those)
     eval_problems: int = 0  # held-out problems per evaluation (0: all)
     eval_n: int = 32  # samples per held-out problem for avg@n and pass@k (SP3O: 32)

@@ -198,12 +198,12 @@ def longest_prompt(tokenizer, row_sets):
 
 
 def make_generator(kind, model, tokenizer, gpu_memory_utilization=0.3, seed=0, kv_cache_gib=1.0, rows=(),
-                   max_tokens=0):
+                   max_tokens=0, hf_batch_size=256):
     """The rollout engine for --generator (see resolve_generator), holding `model`'s current weights. Its close()
     shuts it down (Run.close, on the way out). A vLLM engine is sized to the run: `rows`, the row lists it prompts
     with (training and held-out), and `max_tokens`, the longest response it asks for, give its max_model_len (the
     longest prompt + max_tokens; without rows the model's own positions); gpu_memory_utilization is its share of
-    the GPU (on CPU kv_cache_gib sizes its KV cache)."""
+    the GPU (on CPU kv_cache_gib sizes its KV cache). The HF engine generates hf_batch_size sequences a call."""
     if resolve_generator(kind, dist.compute_device(model)) == "vllm":
         from infra.vllm_engine import VLLMGenerator
         length = None
@@ -216,7 +216,7 @@ def make_generator(kind, model, tokenizer, gpu_memory_utilization=0.3, seed=0, k
         generator = VLLMGenerator(model, tokenizer, stop_token_ids(model, tokenizer), length, gpu_memory_utilization,
                                   seed, kv_cache_gib)
     else:
-        generator = HFGenerator(model, tokenizer)
+        generator = HFGenerator(model, tokenizer, hf_batch_size)
     try:
         generator.sync_weights(model)  # vLLM loaded the checkpoint from disk: a resumed policy differs from it
     except BaseException:

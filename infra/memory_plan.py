@@ -4,24 +4,36 @@ on its --critic-model backbone; a frozen reference when --kl-coef > 0), the rank
 AdamW states), the dtype policy (float32 weights and AdamW states, bf16 compute), gradient checkpointing, the
 micro-batch, and the rollout engine: vLLM's share of the GPU (auto: what the trainer leaves, vllm_share) or the
 Hugging Face engine's KV cache for the run's own generate calls. infra/memory.py prints and checks it.
-Estimates from shapes, compared with measured CPU peaks by benchmarks/rehearsal.py (docs/scaling.md), not yet with
-a measured GPU peak."""
+Estimates from shapes, compared with measured CPU peaks by benchmarks/rehearsal.py and, term by term, with the live
+tensor bytes of benchmarks/rehearsal.py --terms (docs/scaling.md); not yet with a measured GPU peak."""
 import dataclasses
 import math
 
 from infra import dist
 
 GIB = 2 ** 30
-PROMPT_TOKENS = 1024  # planning allowance for a prompt (no flag caps prompts; GSM8K/MATH prompts are shorter)
-OVERHEAD = GIB  # CUDA context, cuBLAS/NCCL workspaces, allocator slack: an assumption, not measured
+PROMPT_TOKENS = 1024  # allowance for a prompt where the run's own are not known (a hub dataset offline, no tokenizer)
+OVERHEAD = GIB  # CUDA context, cuBLAS/NCCL workspaces: an assumption, not measured
 CPU_BASELINE = GIB // 3  # a CPU run's process before its models: Python, torch, transformers (measured: 0.32 GiB)
 CPU_HEAP_SLACK = 0.15  # a CPU run's freed blocks that glibc keeps, over its live bytes (benchmarks/rehearsal.py:
 # measured 10-35% with keep_freed_host_memory, more at small shapes; not derived, fitted)
-HF_ENGINE_BATCH = 256  # sequences per Hugging Face generate call (infra.engine.HFGenerator's batch_size)
+HF_ENGINE_BATCH = 256  # sequences per Hugging Face generate call: --hf-batch-size's default (HFGenerator batch_size)
 HEAD_SLICE = 2 ** 24  # logits of one vocabulary slice in common.head_logprobs (its chunk_elements; >= 256 columns)
 VLLM_RESERVE = 2 * GIB  # vLLM's memory besides weights and KV cache (profiled activations, CUDA graphs, sampler):
 # an assumption, not measured
 SHARE_MARGIN, MAX_SHARE = 0.05, 0.9  # auto vLLM share: the GPU the trainer leaves, less 5%; at most vLLM's default
+# vLLM 0.32 asleep (level 2, vllm_engine.py): sleep_mode_backend.py CuMemBackend.suspend drops weights and KV cache,
+# copies its "runtime" and "cudagraph" pools to the host; what it allocated outside them stays (NCCL buffers,
+# bookkeeping). NeMo-RL saw 774 MiB left at tensor parallel 1 (NVIDIA-NeMo/RL#223). Assumed: 1 GiB GPU, 1 GiB host.
+VLLM_ASLEEP, VLLM_ASLEEP_HOST = GIB, GIB
+ADAM_FOREACH = 4  # bytes a parameter: torch's foreach AdamW (optim/adam.py _multi_tensor_adam, on CUDA, DTensors too)
+# makes _foreach_sqrt(exp_avg_sqs) of every parameter at once; the for-loop path (CPU, offloaded) two float32 copies of
+# the largest tensor. Measured (benchmarks/rehearsal.py --terms): 4.000 bytes a parameter; 8.000 x the largest tensor
+ROLLOUT_AT_ONCE = 8  # "fits": the engine holds 1/8 of the rank's training rollout at full length (docs/scaling.md)
+FRAGMENTATION = 0.1  # the CUDA caching allocator's reserved-but-unallocated share of a phase's transient bytes:
+# assumed (OOM messages quote 0.5-14% of allocated); a CPU run has CPU_HEAP_SLACK instead
+CUDA_80GB_GIB = 79.11  # an "80 GB" H100 to CUDA (torch's OOM: "total capacity of 79.11 GiB", vllm-project/vllm#27508;
+# nvidia-smi's 81,559 MiB, NVIDIA/nccl#1264, is 79.6 GiB)
 QWEN3 = {  # published config.json: hidden, layers, heads, KV heads, head_dim, intermediate, vocab, tied embeddings
     "Qwen3-0.6B": (1024, 28, 16, 8, 128, 3072, 151936, True), "Qwen3-1.7B": (2048, 28, 16, 8, 128, 6144, 151936, True),
     "Qwen3-4B": (2560, 36, 32, 8, 128, 9728, 151936, True), "Qwen3-8B": (4096, 36, 32, 8, 128, 12288, 151936, False)}
@@ -92,28 +104,43 @@ class Setup:
     engine_bytes: float = 0.0  # vLLM's share: --gpu-memory-utilization x device memory
     cpu: bool = False  # a CPU run: the plan is of the process's resident memory, its baseline for the CUDA context
     rows: int = 0  # sequences per micro-batch (--micro-batch-size); 0: packed by tokens (--micro-batch-tokens)
-    prompt_tokens: int = PROMPT_TOKENS  # the prompt part of `sequence`
-    generated: tuple = (HF_ENGINE_BATCH, PROMPT_TOKENS + 8192)  # HF engine: the largest generate batch (sequences,
-    # tokens each) of the run: min(256, the call's sequences per rank) x (prompt + its response limit)
+    prompt_tokens: int = PROMPT_TOKENS  # the prompt part of `sequence`: the run's longest, else the allowance
+    generated: tuple = (HF_ENGINE_BATCH, PROMPT_TOKENS + 8192)  # the run's largest generate call per rank (sequences,
+    # tokens each: prompt + its response limit)
+    engine_batch: int = HF_ENGINE_BATCH  # HF engine: sequences per generate call (--hf-batch-size)
+    auto_share: bool = False  # vLLM's share is what the trainer leaves (--gpu-memory-utilization 0): fitted by fit()
+    rollout: int = 512  # training sequences per rank and step (prompts x samples / ranks), `sequence` tokens each
+
+    def at_once(self):
+        """Training sequences the engine must hold at once at full length for the plan to fit: 1/8 of the rank's."""
+        return math.ceil(self.rollout / ROLLOUT_AT_ONCE)
+
+    def hf_rows(self):
+        """Sequences of one HF generate call: --hf-batch-size, or fewer when the call asks for fewer."""
+        return min(self.engine_batch, self.generated[0])
 
 
 def training_pass(shape, value_head, setup):
-    """(compute copies, activations, logits, gradient buffers) in bytes of one micro-batch's forward and backward
-    through a trained model. Per token, one decoder layer saves for backward: its two RMSNorms' float32 input and
-    normalized copy (2 x 8h), the normed inputs of the projections in the compute dtype (2bh), q/k norms in float32
-    (8(q + kv)), SDPA's q and k, v repeated to all heads, its output and o_proj's input (5bq; a padding mask rules out
-    SDPA's own GQA), the MLP's gate, up, SiLU(gate) and product (4bI). Logits: common.head_logprobs over the N
-    positions whose log-probs are taken (the response columns, or every token when packed by tokens): one vocabulary
-    slice's float32 logits and a temporary of their size (8 bytes x N x its columns, HEAD_SLICE / N but at least 256)
-    and the hidden states' casts and gradient (8Nh); no [N, V] tensor. Gradient buffers (one process, from the second micro-batch of a mini-batch on):
-    autograd makes each gradient before adding it to the accumulated one; the largest waiting at once are the
-    embedding matrix's, a tied LM head's float32 gradient held until the embedding's own arrives at the end of the
-    backward pass, and that one (2 x 4Vh; untied or a value head: 4Vh). Measured on CPU (benchmarks/rehearsal.py)."""
+    """(compute copies, activations, logits, gradient buffers, layer backward) in bytes of one micro-batch's forward
+    and backward through a trained model. Per token, one decoder layer saves for backward: its two RMSNorms' float32
+    input and normalized copy (2 x 8h), the normed inputs of the projections in the compute dtype (2bh), q/k norms in
+    float32 (8(q + kv)), SDPA's q and k, v repeated to all heads, its output and o_proj's input (5bq; a padding mask
+    rules out SDPA's own GQA), the MLP's gate, up, SiLU(gate) and product (4bI). Logits: common.head_logprobs over
+    the N positions whose log-probs are taken (the response columns, or every token when packed by tokens): one
+    vocabulary slice's float32 logits and a temporary of their size (8 bytes x N x its columns, HEAD_SLICE / N but at
+    least 256) and the hidden states' casts and gradient (8Nh); no [N, V] tensor. Gradient buffers, from the second
+    micro-batch on: one process: a tied LM head's float32 gradient held until the embedding's own arrives at the end
+    of the backward pass, and that one (2 x 4Vh; untied or a value head: 4Vh); FSDP2: the root unit's (embeddings,
+    norm, head) gradient in the compute dtype and its float32 reduce-scatter input ((b + 4) x its parameters). Layer
+    backward: above a layer's saved tensors, the gradients of the MLP product's two factors (2bI a token). Measured
+    (benchmarks/rehearsal.py --terms, live bytes on CPU): plan / measured 1.00-1.14 for the layer backward, 0.99-1.12
+    with the recomputed saved tensors, 1.00 for FSDP2's root unit (8 Vh in bf16 with its gathered weights)."""
     h, b, tokens, sharded = shape.hidden, setup.compute_bytes, setup.tokens, setup.ranks > 1 or setup.offload
     q, kv, layer = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.layer_parameters()
-    if sharded:  # FSDP2: the root unit (embeddings, norm, head) stays gathered from forward to backward; two layers
-        # gathered (one prefetched); one layer's gradient before its float32 reduce-scatter
-        compute = b * (shape.parameters(value_head) - shape.layers * layer) + 2 * b * layer + (b + 4) * layer
+    root = shape.parameters(value_head) - shape.layers * layer  # embeddings, final norm, LM or value head
+    if sharded:  # FSDP2: the root unit stays gathered from forward to backward; two layers gathered (one
+        # prefetched); one layer's gradient before its float32 reduce-scatter
+        compute = b * root + 2 * b * layer + (b + 4) * layer
     else:  # autocast keeps a compute-dtype cast of every decoder matmul weight until the forward ends (the LM head
         compute = (b < 4) * b * shape.layers * layer  # is cast a vocabulary slice at a time)
     residual = b if sharded else 4  # autocast over float32 weights keeps the residual stream in float32
@@ -123,8 +150,20 @@ def training_pass(shape, value_head, setup):
     positions = setup.rows * (setup.sequence - setup.prompt_tokens) if setup.rows else tokens
     columns = min(shape.vocab, max(256, HEAD_SLICE // max(positions, 1)))  # of a slice, as head_logprobs cuts it
     logits = 0 if value_head else 8 * positions * (columns + h)
-    buffers = 0 if sharded else 4 * shape.vocab * h * (1 + (shape.tied and not value_head))
-    return compute, activations, logits, buffers
+    buffers = (b + 4) * root if sharded else 4 * shape.vocab * h * (1 + (shape.tied and not value_head))
+    return compute, activations, logits, buffers, 2 * b * shape.intermediate * tokens
+
+
+def optimizer_temporaries(setup):
+    """Bytes AdamW's step allocates beyond its states, per GPU (offloaded or a CPU run: in host memory): torch's
+    foreach path on CUDA, ADAM_FOREACH bytes a parameter; the for-loop path on CPU, two float32 tensors of the
+    largest parameter (an embedding, a shard of it under FSDP2). Each optimizer steps alone: the largest model's."""
+    def largest(shape):
+        return max(shape.vocab * shape.hidden, shape.hidden * shape.intermediate)
+    trained = [(shape, head) for _, shape, head, train in setup.models if train]
+    if setup.cpu or setup.offload:
+        return max((8 * largest(shape) / setup.ranks for shape, _ in trained), default=0)
+    return max((ADAM_FOREACH * shape.parameters(head) / setup.ranks for shape, head in trained), default=0)
 
 
 def plan(setup):
@@ -133,18 +172,24 @@ def plan(setup):
     every = sum(shape.parameters(head) for _, shape, head, _ in setup.models)
     trained = sum(shape.parameters(head) for _, shape, head, train in setup.models if train)
     weights, gradients, adam = 4 * every / ranks, 4 * trained / ranks, 8 * trained / ranks
-    passes = [training_pass(shape, head, setup) for _, shape, head, train in setup.models if train] or [(0,) * 4]
-    compute, activations, logits, buffers = max(passes, key=sum)
+    passes = [training_pass(shape, head, setup) for _, shape, head, train in setup.models if train] or [(0,) * 5]
+    compute, activations, logits, buffers, backward = max(passes, key=sum)
+    # AdamW steps after the backward pass, its transient rows freed: what its temporaries need beyond them
+    temporaries, host_step = optimizer_temporaries(setup), setup.offload and not setup.cpu
+    step = 0 if host_step else max(0.0, temporaries - (compute + activations + logits + buffers + backward))
     policy = setup.models[0][1]
-    if setup.engine == "vllm":  # asleep during the update (level 1: its bf16 weights wait in host memory)
-        engine = (0, setup.engine_bytes, 2 * policy.parameters())
-        engine_what = f"vLLM, {setup.engine_bytes / GIB:.1f} GiB share (asleep in the update)"
+    if setup.engine == "vllm" and setup.cpu:  # vLLM's CPU build has no sleep mode: its KV cache and weights stay
+        kept = setup.engine_bytes + setup.compute_bytes * policy.parameters()
+        engine, engine_what = (kept, kept, 0), f"vLLM CPU build, KV cache {setup.engine_bytes / GIB:.1f} GiB, awake"
+    elif setup.engine == "vllm":  # asleep at level 2 in the update: VLLM_ASLEEP left on the GPU, its pools on the host
+        engine = (VLLM_ASLEEP, setup.engine_bytes, VLLM_ASLEEP_HOST)
+        engine_what = f"vLLM, {setup.engine_bytes / GIB:.1f} GiB share (asleep in the update: 1 GiB kept)"
     else:  # a whole policy copy when the policy is sharded, else autocast's casts of its matmul weights kept for the
-        # generate call (bf16); the KV cache of the largest generate batch and sampling's float32 [rows, V] logits,
-        # a copy, softmax and log-softmax
+        # generate call (bf16); the KV cache of one generate call and sampling's float32 [rows, V] logits, a copy,
+        # softmax and log-softmax
         b, copy = setup.compute_bytes, setup.compute_bytes * policy.parameters() * (ranks > 1 or setup.offload)
         casts = 0 if copy or b == 4 else b * (policy.layers * policy.layer_parameters() + policy.vocab * policy.hidden)
-        rows, length = setup.generated
+        rows, length = setup.hf_rows(), setup.generated[1]
         cache = policy.kv_bytes(rows * length, b) + 16 * rows * policy.vocab
         engine, engine_what = (copy, copy + casts + cache, 0), f"HF generate: KV cache of {rows} x {length:,} tokens"
     roles = " + ".join(f"{role} {count / 1e9:.2f}B" if count > 1e7 else f"{role} {count / 1e6:.2f}M"
@@ -157,12 +202,20 @@ def plan(setup):
             ("compute copies", "bf16 weights in use (autocast casts or FSDP units)", compute, 0, 0),
             ("activations", f"{setup.tokens:,} tokens per micro-batch, {layers}", activations, 0, 0),
             ("logits", "LM head a vocabulary slice at a time (common.head_logprobs)", logits, 0, 0),
-            ("grad buffers", "the embedding's gradients before they are accumulated", buffers, 0, 0),
+            ("grad buffers", "the embedding's gradients before accumulation (FSDP: and reduce-scatter)", buffers, 0,
+             0),
+            ("layer backward", "one layer's MLP gradients above its saved tensors (2 x bytes x I a token)", backward,
+             0, 0),
+            ("optimizer step", f"AdamW's temporaries ({temporaries / GIB:.1f} GiB) beyond the pass's rows", step, 0,
+             temporaries * host_step),
             ("engine", engine_what, *engine)]
     if setup.cpu:  # the process's own baseline, and the freed blocks glibc keeps (keep_freed_host_memory)
         return rows + [("overhead", f"Python, torch; {CPU_HEAP_SLACK:.0%} freed blocks kept (CPU)", *(
             CPU_BASELINE + CPU_HEAP_SLACK * sum(row[column] for row in rows) for column in (2, 3)), 0)]
-    return rows + [("overhead", "CUDA context, workspaces (assumed)", OVERHEAD, OVERHEAD, 0)]
+    transient = sum(row[2] for row in rows[3:9]), engine[1] if setup.engine == "hf" else 0
+    return rows + [("fragmentation", f"{FRAGMENTATION:.0%} of the phase's transient bytes (assumed)",
+                    *(FRAGMENTATION * part for part in transient), 0),
+                   ("overhead", "CUDA context, workspaces (assumed)", OVERHEAD, OVERHEAD, 0)]
 
 
 def peak(rows):
@@ -187,8 +240,30 @@ def vllm_share(setup, gpu_bytes):
     return share, share * gpu_bytes - 2 * setup.models[0][1].parameters() - VLLM_RESERVE
 
 
-def setup_for(args, device, gpu_bytes):
+def fit(setup, limit, gpu_bytes):
+    """(setup, None) when the plan fits GPUs of `limit` bytes free and `gpu_bytes` in all, else (setup, why not): a
+    peak above the limit, or a vLLM KV cache that holds less than the longest generate call's one sequence or, with an
+    auto share (fitted here: what the trainer leaves), fewer than Setup.at_once() training sequences."""
+    problem, policy = None, setup.models[0][1]
+    if setup.engine == "vllm" and gpu_bytes and not setup.cpu:
+        share = vllm_share(setup, gpu_bytes)[0] if setup.auto_share else setup.engine_bytes / gpu_bytes
+        setup = dataclasses.replace(setup, engine_bytes=max(share, 0.0) * gpu_bytes)
+        kv = max(share * gpu_bytes - 2 * policy.parameters() - VLLM_RESERVE, 0)
+        held, need = int(kv // policy.kv_bytes(setup.sequence)), setup.at_once() * setup.auto_share
+        longest = max(setup.sequence, setup.generated[1])
+        if held < need or kv < policy.kv_bytes(longest):
+            part = f"1/{ROLLOUT_AT_ONCE} of this rank's rollout of {setup.rollout} ({need})" if held < need else \
+                f"one {longest:,}-token sequence"
+            problem = (f"the memory plan leaves vLLM {max(share, 0):.2f} of the {gpu_bytes / GIB:.1f} GiB GPU, a KV "
+                       f"cache of {kv / GIB:.1f} GiB: {held} sequences of {setup.sequence:,} tokens at once, fewer "
+                       f"than {part}")
+    need = peak(plan(setup))
+    return setup, f"the memory plan needs {need / GIB:.1f} GiB per GPU" if need > limit else problem
+
+
+def setup_for(args, device, gpu_bytes, prompt_tokens=PROMPT_TOKENS, eval_rows=0):
     """(Setup, None) for a trainer's parsed args, or (None, why not). gpu_bytes: the GPU's memory (0: a CPU run).
+    prompt_tokens: the run's longest prompt (else the allowance); eval_rows: its largest held-out set (0: not known).
     --gpu-memory-utilization 0 (auto) on a GPU: vLLM's share from vllm_share."""
     policy, why = read_shape(args.model)
     critic, why = (read_shape(args.critic_model) if getattr(args, "critic_model", "") else (policy, why)) \
@@ -198,27 +273,25 @@ def setup_for(args, device, gpu_bytes):
     outputs, trained = 2 if getattr(args, "critic_head", "") == "separate" else 1, not args.eval_only  # tppo: 2 heads
     models = [("policy", policy, 0, trained)] + [("critic", critic, outputs, trained)] * hasattr(args, "critic_model") \
         + [("reference", policy, 0, False)] * (getattr(args, "kl_coef", 0) > 0)
-    sequence = PROMPT_TOKENS + args.max_response_tokens
+    sequence = prompt_tokens + args.max_response_tokens
     tokens = max(args.micro_batch_tokens, sequence) if args.micro_batch_tokens else args.micro_batch_size * sequence
-    vllm = bool(gpu_bytes) and args.generator != "hf" and (  # planning for another GPU: vLLM, as recommended
-        args.generator == "vllm" or not device.startswith("cuda") or _vllm_installed())
-    if not gpu_bytes and args.generator == "vllm":  # vLLM's CPU build: a KV cache of --vllm-kv-cache-gib
-        vllm = True
-    ranks = dist.world_size()
+    vllm = args.generator == "vllm" or bool(gpu_bytes) and args.generator == "auto" and (  # planning for another
+        not device.startswith("cuda") or _vllm_installed())  # GPU: vLLM, as recommended; on CPU only when asked
+    ranks, problems = dist.world_size(), min(filter(None, (eval_rows, args.eval_problems)), default=0)
     calls = [(args.prompts_per_step * args.samples_per_prompt // ranks, args.max_response_tokens)] * trained + [
-        ((args.eval_problems or HF_ENGINE_BATCH) * args.eval_n // ranks, args.eval_max_tokens)] * bool(
-        args.eval_datasets)  # training rollouts; evaluation (all problems: at least a full batch)
-    generated = max(((min(HF_ENGINE_BATCH, max(n, 1)), PROMPT_TOKENS + limit) for n, limit in calls),
-                    key=lambda call: call[0] * call[1], default=(1, sequence))
+        ((problems or args.hf_batch_size) * args.eval_n // ranks, args.eval_max_tokens)] * bool(
+        args.eval_datasets)  # training rollouts; evaluation (its problems; not known: at least a full HF batch)
+    generated = max(((max(n, 1), prompt_tokens + limit) for n, limit in calls),
+                    key=lambda call: min(call[0], args.hf_batch_size) * call[1], default=(1, sequence))
     float32 = args.dtype == "float32" or args.dtype == "auto" and not gpu_bytes  # auto: float32 on CPU
     setup = Setup(tuple(models), ranks, args.offload_optimizer, tokens, sequence, args.gradient_checkpointing,
                   4 if float32 else 2, "vllm" if vllm else "hf", 0.0, not gpu_bytes,
-                  0 if args.micro_batch_tokens else args.micro_batch_size, PROMPT_TOKENS, generated)
-    if not gpu_bytes:
-        share_bytes = args.vllm_kv_cache_gib * GIB * vllm
-    else:
-        share_bytes = (args.gpu_memory_utilization or vllm_share(setup, gpu_bytes)[0]) * gpu_bytes * vllm
-    return dataclasses.replace(setup, engine_bytes=max(share_bytes, 0.0)), None
+                  0 if args.micro_batch_tokens else args.micro_batch_size, prompt_tokens, generated,
+                  args.hf_batch_size, vllm and bool(gpu_bytes) and not args.gpu_memory_utilization,
+                  trained * args.prompts_per_step * args.samples_per_prompt // ranks)
+    share = (args.gpu_memory_utilization or vllm_share(setup, gpu_bytes)[0]) * gpu_bytes if gpu_bytes else \
+        args.vllm_kv_cache_gib * GIB  # vLLM's CPU build: a KV cache of --vllm-kv-cache-gib
+    return dataclasses.replace(setup, engine_bytes=max(share, 0.0) * vllm), None
 
 
 def _vllm_installed():

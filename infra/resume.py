@@ -22,7 +22,8 @@ from infra.checkpoint import _checkpoint_steps, find_checkpoint
 # (config.json, updated by the latest config.resume_<step>.json).
 RESUME_MAY_CHANGE = ("steps", "eval_every", "save_every", "keep_checkpoints", "max_skipped_updates", "tensorboard",
                      "wandb_project", "eval_only", "device", "gpu_memory_utilization", "vllm_kv_cache_gib",
-                     "micro_batch_size", "micro_batch_tokens", "gradient_checkpointing")
+                     "micro_batch_size", "micro_batch_tokens", "gradient_checkpointing", "hf_batch_size", "gpus",
+                     "gpu_memory_gib", "plan_only")
 WHERE = ("resume", "run_name", "output_dir")  # where a run is, not how it runs
 
 

@@ -66,24 +66,31 @@ class Run:
     def __init__(self, args, trainer_file):
         self.args = args
         check_integrations(args)  # --device, --output-dir; --tensorboard, --wandb-project: importable
-        self.device = dist.init_device(args.device, args.offload_optimizer)  # torchrun or offload: a process group
-        check_generator(args.generator, self.device)  # --generator vllm: runnable here
+        self.device = dist.init_device(args.device, args.offload_optimizer and not args.plan_only)  # a process group
+        if not args.plan_only:  # --generator vllm: runnable here (--plan-only plans it anywhere)
+            check_generator(args.generator, self.device)
         check_model_source(args.model)  # a missing --model fails in one line, in seconds (offline too)
         if getattr(args, "critic_model", ""):  # PPO-family: the critic's backbone, checked the same way
             check_model_source(args.critic_model, "--critic-model")
-        # the memory plan per GPU, refused here if it cannot fit; vLLM's share of the GPU (auto: what it leaves)
-        self.gpu_share = memory.check(args, trainer_file, self.device)
+        try:  # the data before the plan: its prompts' lengths (--plan-only plans without it if it cannot be read)
+            check_dataset_sources("" if args.eval_only else args.dataset, args.eval_datasets,  # offline: one line
+                                  [f"--answer-format {args.answer_format}"] * (args.answer_format != "auto"))
+            self.train_rows = [] if args.eval_only else data.load_rows(
+                args.dataset, "train", n_builtin=65536, seed=args.seed, skip_bad_rows=args.skip_bad_rows,
+                question_field=args.question_field, answer_field=args.answer_field, answer_format=args.answer_format)
+            self.eval_sets = data.load_eval_sets(args.eval_datasets, args.eval_problems, args.skip_bad_rows,
+                                                args.dataset)
+            known = (self.train_rows, self.eval_sets)
+        except UserError as error:
+            if not args.plan_only:
+                raise
+            known = f"the data could not be read, its prompts are not known ({error})"
+        # the memory plan per GPU, refused here if it cannot fit (--plan-only exits); vLLM's share (auto: what is left)
+        self.gpu_share = memory.check(args, trainer_file, self.device, known)
         if self.device.startswith("cpu") or args.offload_optimizer:  # host memory: freed blocks reused, not re-faulted
             memory.keep_freed_host_memory()
-        check_dataset_sources("" if args.eval_only else args.dataset, args.eval_datasets,  # offline: one line
-                              [f"--answer-format {args.answer_format}"] * (args.answer_format != "auto"))
         self.dir = run_directory(args, trainer_file)  # a clash with an existing run fails before any model loads
         self.resume_path, self.resumed_step = resume_point(args.resume)[1:] if args.resume else (None, 0)
-        self.train_rows = [] if args.eval_only else data.load_rows(
-            args.dataset, "train", n_builtin=65536, seed=args.seed, skip_bad_rows=args.skip_bad_rows,
-            question_field=args.question_field, answer_field=args.answer_field, answer_format=args.answer_format)
-        self.eval_sets = data.load_eval_sets(args.eval_datasets, args.eval_problems, args.skip_bad_rows,
-                                            args.dataset)
         if dist.rank() == 0:  # what was chosen, by whom, and what auto decided, before any model loads
             print(*data.choices(args, os.path.basename(trainer_file)), *[data.describe(args.dataset, self.train_rows)]
                   * bool(self.train_rows), *(data.describe(name, rows) for name, rows in self.eval_sets.items()),
@@ -109,7 +116,8 @@ class Run:
         self.generator = make_generator(self.args.generator, models["policy"], tokenizer,
                                         self.gpu_share, self.args.seed, self.args.vllm_kv_cache_gib,
                                         [self.train_rows, *self.eval_sets.values()],  # vLLM: max_model_len
-                                        max(getattr(self.args, "max_response_tokens", 0), self.args.eval_max_tokens))
+                                        max(getattr(self.args, "max_response_tokens", 0), self.args.eval_max_tokens),
+                                        self.args.hf_batch_size)
         if dist.rank() == 0:  # EOS, generation_config's EOS ids, the chat template's turn end: both engines' stops
             print("rollouts stop at " + ", ".join(f"{tokenizer.convert_ids_to_tokens(i)} ({i})"
                                                    for i in stop_token_ids(models["policy"], tokenizer)))

@@ -166,9 +166,9 @@ def test_a_hub_dataset_in_the_local_cache_loads_offline_through_the_same_code(hu
     # BytedTsinghua-SIA/DAPO-Math-17k: chat `prompt`, `reward_model.ground_truth`) give the rows their files give
     import datasets
     cache_hub_dataset(hub_cache, HUB_ID, {"train": slime_rows()})
-    offline, load_dataset = [], datasets.load_dataset  # datasets' offline mode while the hub cannot be reached:
+    offline, load_dataset, before = [], datasets.load_dataset, datasets.config.HF_HUB_OFFLINE  # offline mode while
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: offline.append(datasets.config.HF_HUB_OFFLINE)
-                        or load_dataset(*a, **k))  # no retries of the network (5 over 23 s here, online mode)
+                        or load_dataset(*a, **k))  # the hub cannot be reached: no retries (5 over 23 s, online mode)
     local = tmp_path / "slime.jsonl"
     local.write_text("".join(json.dumps(row) + "\n" for row in slime_rows()))
     rows = infra.data.load_rows(HUB_ID)
@@ -176,7 +176,7 @@ def test_a_hub_dataset_in_the_local_cache_loads_offline_through_the_same_code(hu
     assert [r["answer_format"] for r in rows] == ["answer-line", "boxed", "answer-line", "boxed"]
     assert rows[0]["question"][0]["content"].endswith('Remember to put your answer on its own line after "Answer:".')
     assert {r["answer_format"] for r in infra.data.load_rows(HUB_ID, answer_format="boxed")} == {"boxed"}
-    assert offline == [True, True] and datasets.config.HF_HUB_OFFLINE is False  # and set back after each load
+    assert offline == [True, True] and datasets.config.HF_HUB_OFFLINE is before  # and set back after each load
     with open(os.path.join(FIXTURES, "verl_format_rows.json")) as handle:
         cache_hub_dataset(hub_cache, "BytedTsinghua-SIA/DAPO-Math-17k", {"train": json.load(handle)})
     verl = infra.data.load_rows("BytedTsinghua-SIA/DAPO-Math-17k")

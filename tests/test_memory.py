@@ -73,11 +73,36 @@ def test_plan_qwen3_06b_grpo_on_one_gpu():
     # float32 logits and a temporary as large (8 bytes), the hidden states' casts and gradient (8 x 1024 per position)
     assert rows["logits"] == (8 * 16384 * (1024 + 1024), 0, 0) == (268_435_456, 0, 0)  # whole logits: 9.96 GB
     assert rows["grad buffers"] == (2 * 4 * 151936 * 1024, 0, 0)  # the tied head's and the embedding's, float32
-    assert rows["engine"] == (0, 0.3 * 80 * GIB, 2 * p)  # asleep in the update; its bf16 weights on the host
-    update = 2 * 2_384_199_680 + 4_768_399_360 + 880_932_864 + 3_506_438_144 + 268_435_456 + 1_244_659_712 + GIB
+    # one layer's backward above its saved tensors: the MLP product's two factors' gradients, 2 x 2 bytes x 3,072
+    assert rows["layer backward"] == (2 * 2 * 3072 * 16384, 0, 0) == (201_326_592, 0, 0)
+    # AdamW's foreach sqrt (4 x 596,049,920 = 2,384,199,680) is less than the pass's transient rows, freed by then
+    transient = 880_932_864 + 3_506_438_144 + 268_435_456 + 1_244_659_712 + 201_326_592
+    assert rows["optimizer step"] == (0, 0, 0) and 4 * p < transient == 6_101_792_768
+    # vLLM asleep at level 2: 1 GiB left on the GPU, its graph and runtime pools (1 GiB) in host memory
+    assert rows["engine"] == (GIB, 0.3 * 80 * GIB, GIB)
+    assert rows["fragmentation"] == (0.1 * transient, 0, 0)  # vLLM's own pool: no rollout term of ours
+    update = 2 * 2_384_199_680 + 4_768_399_360 + transient + GIB + 0.1 * transient + GIB
     rollout = 2_384_199_680 + 4_768_399_360 + 24 * GIB + GIB
-    assert (update, rollout) == (16_511_006_720, 33_996_144_640)  # 15.4 and 31.7 GiB: the rollout is the peak
+    assert (update, rollout) == (18_396_254_412.8, 33_996_144_640)  # 17.1 and 31.7 GiB: the rollout is the peak
     assert sum(row[2] for row in memory.plan(setup)) == update and memory.peak(memory.plan(setup)) == rollout
+
+
+def test_the_optimizer_step_counts_what_its_temporaries_need_beyond_the_pass():
+    """AdamW steps after the backward pass: its foreach temporary (4 bytes a parameter, on CUDA) counts only beyond
+    the pass's transient rows. Qwen3-0.6B GRPO at 256 tokens per micro-batch: compute copies 880,932,864,
+    activations 256 x (28 x 4 x 1,024 + 90,112) + the mask 256 x 256 = 52,494,336, logits 8 x 256 x (65,536 + 1,024)
+    = 136,314,880 (2**24 / 256 columns a slice), grad buffers 1,244,659,712, layer backward 2 x 2 x 3,072 x 256 =
+    3,145,728: 2,317,547,520, below 4 x 596,049,920 = 2,384,199,680 by 66,652,160. On CPU (the for-loop path) or
+    offloaded: two float32 copies of the largest tensor, the [151,936 x 1,024] embedding."""
+    setup = Setup((("policy", QWEN3_06B, 0, True),), tokens=256, sequence=256, engine_bytes=24 * GIB)
+    rows = rows_of(setup)
+    transient = 880_932_864 + 52_494_336 + 136_314_880 + 1_244_659_712 + 3_145_728
+    assert sum(rows[name][0] for name in ("compute copies", "activations", "logits", "grad buffers",
+                                          "layer backward")) == transient == 2_317_547_520
+    assert rows["optimizer step"] == (4 * 596_049_920 - transient, 0, 0) == (66_652_160, 0, 0)
+    assert memory.optimizer_temporaries(dataclasses.replace(setup, cpu=True)) == 8 * 151936 * 1024
+    offloaded = rows_of(dataclasses.replace(setup, offload=True))
+    assert offloaded["optimizer step"] == (0, 0, 8 * 151936 * 1024)  # the step runs on the CPU: host memory
 
 
 def test_plan_qwen3_4b_sp3o_in_one_process():
@@ -101,9 +126,12 @@ def test_plan_qwen3_4b_sp3o_in_one_process():
     assert rows["logits"][0] == 1_476_395_008
     # the tied embedding's two float32 gradients (its LM head's, then its own) before accumulation: 8 x V x h
     assert rows["grad buffers"][0] == 8 * 151936 * 2560 == 3_111_649_280
-    update = 2 * 32_179_755_012 + 64_359_510_024 + 7_267_018_752 + 43_411_046_400 + 1_476_395_008 \
-        + 3_111_649_280 + GIB
-    assert memory.peak(memory.plan(setup)) == update == 185_058_871_312  # 172.3 GiB
+    assert rows["layer backward"][0] == 2 * 2 * 9728 * 73728 == 2_868_903_936  # 2bI a token
+    transient = 7_267_018_752 + 43_411_046_400 + 1_476_395_008 + 3_111_649_280 + 2_868_903_936
+    # each optimizer steps alone: the larger model's foreach temporary, 4 x 4,022,470,657, is below `transient`
+    assert rows["optimizer step"][0] == 0 and 4 * 4_022_470_657 < transient
+    update = 2 * 32_179_755_012 + 64_359_510_024 + transient + GIB + 0.1 * transient + GIB  # vLLM asleep, context
+    assert memory.peak(memory.plan(setup)) == update == pytest.approx(194_815_018_409.6)  # 181.4 GiB
     assert rows["weights"][1] + rows["AdamW states"][1] + 25 * GIB == pytest.approx(114.909 * GIB, rel=1e-5)
 
 
@@ -122,18 +150,28 @@ def test_plan_qwen3_8b_ppo_on_eight_ranks_with_and_without_offload():
     #   + 8 x 5120 + 5 x 2 x 4096 + 4 x 2 x 12288 = 65,536 + 16,384 + 40,960 + 40,960 + 98,304 = 262,144
     assert rows["activations"][0] == 16384 * (294_912 + 262_144) + 16384 * 9216 == 9_277_800_448
     assert rows["logits"][0] == 8 * 16384 * (1024 + 4096)  # slices of 1,024 columns; hidden 4,096
-    update = 2 * 7_879_572_480.5 + 15_759_144_961 + 4_418_791_936 + 9_277_800_448 + 671_088_640 + GIB
+    # FSDP2's root unit (1,244,663,808 parameters): its bf16 gradient and float32 reduce-scatter input, (2 + 4) each
+    assert rows["grad buffers"][0] == 6 * 1_244_663_808 == 7_467_982_848
+    assert rows["layer backward"][0] == 2 * 2 * 12288 * 16384 == 805_306_368
+    transient = 4_418_791_936 + 9_277_800_448 + 671_088_640 + 7_467_982_848 + 805_306_368  # 22,640,970,240
+    assert rows["optimizer step"][0] == 0 and 4 * 8_190_735_360 / 8 < transient  # foreach over the local shards
+    update = 2 * 7_879_572_480.5 + 15_759_144_961 + transient + GIB + 0.1 * transient + GIB
     eight = memory.plan(Setup(models, ranks=8, tokens=16384, sequence=9216, engine_bytes=24 * GIB))
-    assert sum(row[2] for row in eight) == update == 46_959_712_770  # 43.7 GiB
+    assert sum(row[2] for row in eight) == update == pytest.approx(58_570_840_834)  # 54.5 GiB: now the peak
     rollout = 7_879_572_480.5 + 15_759_144_961 + 24 * GIB + GIB  # weights, AdamW states, vLLM's share, context
-    assert memory.peak(eight) == rollout == 50_482_263_041.5  # 47.0 GiB: fits 80 GiB GPUs
+    assert sum(row[3] for row in eight) == rollout == 50_482_263_041.5  # 47.0 GiB
+    assert memory.peak(eight) == pytest.approx(update)  # fits 80 GiB GPUs
     offloaded = rows_of(Setup(models, ranks=8, offload=True, tokens=16384, sequence=9216, engine_bytes=24 * GIB))
     assert [offloaded[name][0] for name in ("weights", "gradients", "AdamW states")] == [0, 0, 0]
+    # host: the float32 states, AdamW's for-loop temporaries on the CPU (2 x 4 bytes x the largest shard: the
+    # [151,936 x 4,096] embedding / 8), vLLM's pools
+    step = 8 * 151936 * 4096 / 8
+    assert offloaded["optimizer step"] == (0, 0, step) and offloaded["engine"][2] == GIB
     assert offloaded["weights"][2] + offloaded["gradients"][2] + offloaded["AdamW states"][2] == 16 * both / 8
     assert offloaded["compute copies"] == rows["compute copies"] and offloaded["logits"] == rows["logits"]
     offloaded_plan = memory.plan(Setup(models, 8, True, 16384, 9216, engine_bytes=24 * GIB))
-    assert sum(row[2] for row in offloaded_plan) == 4_418_791_936 + 9_277_800_448 + 671_088_640 + GIB  # 14.4 GiB
-    assert memory.peak(offloaded_plan) == 24 * GIB + GIB  # the rollout (vLLM's share) is now the peak
+    assert sum(row[2] for row in offloaded_plan) == pytest.approx(1.1 * transient + 2 * GIB)  # 25.2 GiB, the peak
+    assert sum(row[3] for row in offloaded_plan) == 24 * GIB + GIB  # the rollout: vLLM's share
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3-untied", "qwen2", "llama"])
@@ -161,37 +199,68 @@ def test_parameter_counts_equal_instantiated_models(kind, tmp_path):
 
 
 def test_refusal_names_flags_that_fit():
-    """Each flag set offered for the 4B SP3O plan on 80 GiB fits, and offers the least of its kind."""
+    """Each flag set offered for the 4B SP3O plan on 80 GiB fits, offers the least of its kind, and never more
+    ranks than the GPUs the machine has (--gpus)."""
     models = (("policy", QWEN3_4B, 0, True), ("critic", QWEN3_4B, 1, True))
     setup = Setup(models, tokens=73728, sequence=9216, engine_bytes=24 * GIB)
     found = memory.fitting_flags(setup, 80 * GIB)
     assert found == ["torchrun --nproc-per-node 4", "--offload-optimizer",
-                     "torchrun --nproc-per-node 2 --micro-batch-tokens 32768",
-                     "torchrun --nproc-per-node 2 --critic-model Qwen3-1.7B-Base"]
-    fits = [dict(ranks=4), dict(offload=True), dict(ranks=2, tokens=32768)]
-    too_little = [dict(ranks=2), dict(ranks=1, tokens=16384), dict(ranks=2, tokens=65536)]
+                     "torchrun --nproc-per-node 2 --micro-batch-tokens 16384",
+                     "torchrun --nproc-per-node 2 --critic-model Qwen3-0.6B-Base"]
+    fits = [dict(ranks=4), dict(offload=True), dict(ranks=2, tokens=16384)]
+    too_little = [dict(ranks=2), dict(ranks=1, tokens=16384), dict(ranks=2, tokens=32768)]
     for changes in fits:
         assert memory.peak(memory.plan(dataclasses.replace(setup, **changes))) <= 80 * GIB
     for changes in too_little:
         assert memory.peak(memory.plan(dataclasses.replace(setup, **changes))) > 80 * GIB
+    assert memory.fitting_flags(setup, 80 * GIB, gpus=2) == found[1:]  # no 4 ranks on a 2-GPU machine
+    assert memory.fitting_flags(setup, 80 * GIB, gpus=1) == ["--offload-optimizer"]
+
+
+def test_an_auto_vllm_share_fits_when_it_holds_an_eighth_of_the_rollout():
+    """With vLLM's auto share a plan fits only if its KV cache holds 1/8 of the rank's rollout at full length: SP3O
+    on Qwen3-4B, offloaded on one 80 GiB GPU, 512 sequences of 1,024 + 8,192 tokens (147,456 bytes a token: 1.27 GiB
+    a sequence) would need 64 of them (81 GiB); at 4,096 response tokens 64 x 0.70 GiB = 45 GiB does."""
+    models = (("policy", QWEN3_4B, 0, True), ("critic", QWEN3_4B, 1, True))
+    setup = Setup(models, offload=True, sequence=9216, generated=(512, 9216), auto_share=True, rollout=512)
+    # offloaded, the trainer holds the 1 GiB context alone in the rollout: 0.9 (vLLM's maximum) of 80 GiB,
+    # less vLLM's bf16 weights (8,044,936,192 bytes) and its 2 GiB reserve: 62.5 GiB of KV cache
+    kv = 0.9 * 80 * GIB - 2 * QWEN3_4B.parameters() - 2 * GIB
+    assert setup.at_once() == 64 and int(kv // QWEN3_4B.kv_bytes(9216)) == 49
+    fitted, problem = memory.fit(setup, 80 * GIB, 80 * GIB)
+    assert fitted.engine_bytes == 0.9 * 80 * GIB
+    assert problem == ("the memory plan leaves vLLM 0.90 of the 80.0 GiB GPU, a KV cache of 62.5 GiB: 49 sequences "
+                       "of 9,216 tokens at once, fewer than 1/8 of this rank's rollout of 512 (64)")
+    shorter = memory.with_response(4096)(setup)
+    assert (shorter.sequence, shorter.generated) == (5120, (512, 5120)) and int(kv // QWEN3_4B.kv_bytes(5120)) == 88
+    assert memory.fit(shorter, 80 * GIB, 80 * GIB)[1] is None
+    two = memory.with_ranks(2)(setup)  # each rank generates half: 32 sequences at once suffice
+    assert (two.rollout, two.generated[0], two.at_once()) == (256, 256, 32)
+    assert memory.fit(two, 80 * GIB, 80 * GIB)[1] is None
+    given = dataclasses.replace(setup, auto_share=False, engine_bytes=0.3 * 80 * GIB)  # a share given: one sequence
+    assert memory.fit(given, 80 * GIB, 80 * GIB)[1] is None
 
 
 def test_sp3o_with_a_4b_config_prints_the_plan_and_refuses_in_one_line(tmp_path):
-    """`sp3o.py --model <a directory holding only a Qwen3-4B config.json> --gpu-memory-gib 80` on a CPU machine: the
-    plan is printed and the run refused in one line naming flags that fit, before any weights are read."""
-    from transformers import Qwen3Config
-    Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-                ).save_pretrained(tmp_path / "qwen3-4b")
-    result = subprocess.run([sys.executable, "sp3o.py", "--model", str(tmp_path / "qwen3-4b"), "--gpu-memory-gib", "80",
-                             "--output-dir", str(tmp_path / "runs")], cwd=REPO, capture_output=True, text=True,
-                            timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    """`sp3o.py --model <a directory holding only a Qwen3-4B config.json> --gpu-memory-gib 80 --gpus 2` on a CPU
+    machine: the plan is printed and the run refused in one line naming flags that fit on at most 2 GPUs, before
+    any weights are read. Update column: 16 bytes x 8,044,938,753 parameters = 128,719,020,048; compute copies
+    7,267,018,752, activations 16,384 x 579,584 + the mask 16,384 x 9,216 = 9,646,817,280, logits 8 x 16,384 x (1,024
+    + 2,560) = 469,762,048, grad buffers 3,111,649,280, layer backward 2 x 2 x 9,728 x 16,384 = 637,534,208 (sum
+    21,132,781,568, and 10% of it for fragmentation), vLLM asleep and the context 1 GiB each: 143.5 GiB."""
+    result = subprocess.run([sys.executable, "sp3o.py", "--dataset", "builtin", "--model",
+                             qwen3_4b_config(tmp_path / "qwen3-4b"),
+                             "--gpu-memory-gib", "80", "--gpus", "2", "--output-dir", str(tmp_path / "runs")], cwd=REPO,
+                            capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 2, result.stderr[-2000:]
-    assert "memory plan per GPU, sp3o.py, 1 process, 80.0 GiB GPU" in result.stdout
-    assert "policy 4.02B + critic 4.02B" in result.stdout and "140.0" in result.stdout
+    assert "memory plan per GPU, sp3o.py, 1 process (2 GPUs here), 80.0 GiB GPU" in result.stdout
+    assert "policy 4.02B + critic 4.02B" in result.stdout
+    assert (128_719_020_048 + 1.1 * 21_132_781_568 + 2 * GIB) / GIB == pytest.approx(143.53, abs=0.005)
+    assert "prompts: 1,024 tokens (assumed: no tokenizer files)" in result.stdout  # a config.json alone
     assert result.stderr.strip().splitlines() == [  # at the defaults: 16,384-token micro-batches, auto vLLM share
-        "sp3o.py: error: the memory plan needs 140.0 GiB per GPU, more than the 80.0 GiB --gpu-memory-gib: it fits "
-        "with torchrun --nproc-per-node 2, or with --offload-optimizer"]
+        "sp3o.py: error: the memory plan needs 143.5 GiB per GPU, more than the 80.0 GiB --gpu-memory-gib: it fits "
+        "with torchrun --nproc-per-node 2 --offload-optimizer, or with torchrun --nproc-per-node 2 "
+        "--max-response-tokens 2048, or with --offload-optimizer --max-response-tokens 4096"]
     assert not os.path.exists(tmp_path / "runs")
 
 
@@ -209,7 +278,8 @@ def test_sp3o_with_a_4b_config_on_this_cpu_machine_is_refused_in_one_line(tmp_pa
     this machine's memory; refused in one line naming both, before the data, the run folder or any weights."""
     if memory.host_memory()[0] > 900 * GIB:
         pytest.skip("this machine has the memory of the 4B CPU plan (848.9 GiB)")
-    result = subprocess.run([sys.executable, "sp3o.py", "--model", qwen3_4b_config(tmp_path / "qwen3-4b"),
+    result = subprocess.run([sys.executable, "sp3o.py", "--dataset", "builtin", "--model",
+                             qwen3_4b_config(tmp_path / "qwen3-4b"),
                              "--output-dir", str(tmp_path / "runs")], cwd=REPO, capture_output=True, text=True,
                             timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 2, result.stderr[-2000:]
@@ -237,7 +307,8 @@ def test_host_refusal_against_a_stated_host_size():
     """The decision, with the host's memory given (not this machine's): a CPU run needs the larger phase of its plan
     plus the host column, per process on the machine; a GPU run with --offload-optimizer its host column: float32
     weights, gradients and AdamW states of policy and critic (16 bytes per trained parameter, sharded over the
-    ranks) and vLLM's sleeping bf16 policy (2 bytes per parameter, each rank)."""
+    ranks), AdamW's for-loop temporaries on the CPU (two float32 copies of the largest shard: the embedding's) and
+    vLLM's graph and runtime pools, copied to the host while it sleeps (1 GiB, each rank)."""
     policy, critic = QWEN3_4B.parameters(), QWEN3_4B.parameters(value_head=1)
     cpu = sp3o_4b()
     rows = memory.plan(cpu)
@@ -246,10 +317,10 @@ def test_host_refusal_against_a_stated_host_size():
     assert memory.host_refusal(cpu, need, True) is None  # exactly enough
     line = memory.host_refusal(cpu, 24 * GIB, True)
     assert line == (f"the memory plan needs {need / GIB:.1f} GiB of this machine's memory (a CPU run: every column), "
-                    "more than the 24.0 GiB available: no smaller Qwen3 --model, --micro-batch-tokens or "
-                    "--critic-model fits")
+                    "more than the 24.0 GiB available: no smaller Qwen3 --model, --micro-batch-tokens, "
+                    "--critic-model or --max-response-tokens fits")
     gpu = Setup(cpu.models, ranks=8, offload=True, tokens=16384, sequence=9216, engine_bytes=24 * GIB)
-    host = 8 * (16 * (policy + critic) / 8 + 2 * policy)  # eight ranks on one machine
+    host = 8 * (16 * (policy + critic) / 8 + 8 * 151936 * 2560 / 8 + GIB)  # eight ranks on one machine
     assert memory.host_need(gpu, False, 8) == pytest.approx(host)
     assert memory.host_refusal(gpu, host, False, 8) is None
     line = memory.host_refusal(gpu, 100 * GIB, False, 8)
@@ -265,11 +336,13 @@ def test_host_refusal_against_a_stated_host_size():
                  compute_bytes=4, engine="hf")
     found = memory.fitting_flags(grpo, memory.host_need(dataclasses.replace(grpo, tokens=9216), True, 1) + 1,
                                  (True, 1))
-    assert found and all(text.startswith(("--micro-batch-tokens", "--model")) for text in found)
+    assert found and all(text.startswith(("--micro-batch-tokens", "--model", "--max-response-tokens"))
+                         for text in found)
 
 
 def test_a_cpu_run_with_vllm_plans_its_kv_cache(tmp_path):
-    """vLLM's CPU build holds --vllm-kv-cache-gib of KV cache and its own bf16 weights, not HF generate's cache."""
+    """vLLM's CPU build holds --vllm-kv-cache-gib of KV cache and its own weights in the compute dtype (float32 on
+    CPU), not HF generate's cache, in both phases: it has no sleep mode."""
     import sp3o
     directory = qwen3_4b_config(tmp_path / "qwen3-4b")
     args = infra.cli.parse_args(sp3o.Args, None, ["--model", directory, "--generator", "vllm", "--vllm-kv-cache-gib",
@@ -277,7 +350,7 @@ def test_a_cpu_run_with_vllm_plans_its_kv_cache(tmp_path):
     setup, why = memory.setup_for(args, "cpu", 0)
     assert why is None and (setup.engine, setup.engine_bytes, setup.compute_bytes) == ("vllm", 3 * GIB, 4)
     engine = next(row for row in memory.plan(setup) if row[0] == "engine")
-    assert engine[2:] == (0, 3 * GIB, 2 * QWEN3_4B.parameters())
+    assert engine[2:] == (3 * GIB + 4 * QWEN3_4B.parameters(),) * 2 + (0,)
     setup, _ = memory.setup_for(infra.cli.parse_args(sp3o.Args, None, ["--model", directory]), "cpu", 0)
     assert setup.engine == "hf"
 
@@ -318,7 +391,7 @@ def test_a_hub_model_not_on_disk_fetches_its_config_alone_and_is_planned(hub, ca
     assert memory.read_shape("someorg/Qwen3-Fetched-A") == (QWEN3_4B, None)
     assert hub == [("someorg/Qwen3-Fetched-A", "config.json")]  # config.json alone, no weights
     args = infra.cli.parse_args(sp3o.Args, None, ["--model", "someorg/Qwen3-Fetched-B", "--gpu-memory-gib", "80"])
-    with pytest.raises(infra.UserError, match="needs 140.0 GiB per GPU"):  # planned, not skipped
+    with pytest.raises(infra.UserError, match="needs 143.5 GiB per GPU"):  # planned, not skipped
         memory.check(args, "sp3o.py", "cpu")
     assert "memory plan per GPU, sp3o.py" in capsys.readouterr().out and "skipped" not in capsys.readouterr().out
 
@@ -347,11 +420,12 @@ def test_auto_vllm_share_by_hand():
     offloaded, _ = memory.vllm_share(dataclasses.replace(setup, offload=True), 80 * GIB)
     assert offloaded == 0.9  # the trainer holds 1 GiB alone: 0.94 left, capped at vLLM's default 0.9
     big = Setup((("policy", QWEN3_8B, 0, True), ("critic", QWEN3_8B, 1, True)), sequence=9216)
+    assert memory.check_share(setup, 80 * GIB) == (share, kv)  # 65 sequences at once: 1/8 of 512 is 64
     assert memory.vllm_share(big, 80 * GIB)[0] < 0  # 16-byte states of 15.8B parameters on one GPU: nothing left
     with pytest.raises(infra.UserError) as refused:
         memory.check_share(big, 80 * GIB)
-    assert str(refused.value).startswith("the memory plan leaves vLLM 0.00 of the 80.0 GiB GPU, a KV cache of 0.0 GiB, "
-                                         "less than one 9,216-token sequence needs (1.27 GiB)")  # 147,456 B a token
+    assert str(refused.value) == ("the memory plan leaves vLLM 0.00 of the 80.0 GiB GPU, a KV cache of 0.0 GiB: 0 "
+                                  "sequences of 9,216 tokens at once, fewer than 1/8 of this rank's rollout of 512 (64)")
 
 
 def test_check_returns_the_share_the_engine_gets(tmp_path, capsys):
@@ -372,26 +446,32 @@ def test_check_returns_the_share_the_engine_gets(tmp_path, capsys):
 
 def test_the_hf_engines_cache_is_the_runs_own_batch(tmp_path, monkeypatch):
     """Issue 40: the HF engine's KV cache is planned for the largest generate call of the run: the step's prompts x
-    samples (SPPO: 1 sample) or the evaluation's problems x eval_n (all problems: a full batch of 256), per rank, at
-    most 256 sequences a call (HFGenerator's batch_size), each of the prompt allowance + its response limit."""
+    samples (SPPO: 1 sample) or the evaluation's problems x eval_n (all problems of a set not known: a full batch),
+    per rank, at most --hf-batch-size sequences a call (HFGenerator's batch_size), each of the prompt + its response
+    limit. The training rollout per rank is what vLLM must hold 1/8 of."""
     import grpo
     import sppo
     directory = qwen3_4b_config(tmp_path / "qwen3-4b")
 
-    def generated(args_class, *flags):  # no held-out sets unless given (a real model's default: its method's)
+    def planned(args_class, *flags, **known):  # no held-out sets unless given (a real model's default: its method's)
         args = infra.cli.parse_args(args_class, None, ["--model", directory, "--generator", "hf", "--eval-datasets",
                                                        *flags])
-        return memory.setup_for(args, "cpu", 0)[0].generated
+        setup = memory.setup_for(args, "cpu", 0, **known)[0]
+        return setup.generated, setup.hf_rows(), setup.rollout
     small = ["--prompts-per-step", "4", "--samples-per-prompt", "8", "--max-response-tokens", "128"]
-    assert generated(grpo.Args, *small) == (32, 1024 + 128)
+    assert planned(grpo.Args, *small) == ((32, 1024 + 128), 32, 32)
     evaluation = ["--eval-datasets", "builtin", "--eval-problems", "16", "--eval-n", "2", "--eval-max-tokens", "64"]
-    assert generated(grpo.Args, *small, *evaluation) == (32, 1024 + 128)  # 32 x 1,152 > 32 x 1,088
-    assert generated(grpo.Args, *small, *evaluation[:-3], "4", "--eval-max-tokens", "512") == (64, 1024 + 512)
-    assert generated(grpo.Args, *small, "--eval-datasets", "builtin") == (256, 1024 + 8192)  # all problems
-    assert generated(sppo.Args, "--prompts-per-step", "40") == (40, 1024 + 8192)
-    assert generated(grpo.Args) == (256, 1024 + 8192)  # 64 x 8 = 512 sequences: two calls of 256
+    assert planned(grpo.Args, *small, *evaluation) == ((32, 1024 + 128), 32, 32)  # 32 x 1,152 > 32 x 1,088
+    assert planned(grpo.Args, *small, *evaluation[:-3], "4", "--eval-max-tokens", "512")[:2] == ((64, 1024 + 512), 64)
+    # all problems of a set of unknown size: at least a full batch x 32 samples; a set known: its rows
+    assert planned(grpo.Args, *small, "--eval-datasets", "builtin")[:2] == ((256 * 32, 1024 + 8192), 256)
+    assert planned(grpo.Args, *small, "--eval-datasets", "builtin", eval_rows=3)[:2] == ((96, 1024 + 8192), 96)
+    assert planned(grpo.Args, *small, "--eval-datasets", "builtin", "--hf-batch-size", "16")[1] == 16
+    assert planned(sppo.Args, "--prompts-per-step", "40") == ((40, 1024 + 8192), 40, 40)
+    assert planned(grpo.Args) == ((512, 1024 + 8192), 256, 512)  # 64 x 8 = 512 sequences: two calls of 256
+    assert planned(grpo.Args, prompt_tokens=129)[0] == (512, 129 + 8192)  # the run's longest prompt
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert generated(grpo.Args, *small) == (16, 1024 + 128)  # each rank generates its share
+    assert planned(grpo.Args, *small) == ((16, 1024 + 128), 16, 16)  # each rank generates its share
     engine = next(row for row in memory.plan(Setup((("policy", QWEN3_4B, 0, True),), sequence=1152, engine="hf",
                                                    compute_bytes=4, generated=(32, 1152))) if row[0] == "engine")
     # float32: 32 x 1,152 tokens x 2 x 36 layers x 8 KV heads x 128 x 4 bytes + sampling's 4 float32 [32, V] tensors
@@ -399,11 +479,20 @@ def test_the_hf_engines_cache_is_the_runs_own_batch(tmp_path, monkeypatch):
 
 
 def test_scaling_table_rows():
-    """At the defaults (16,384-token micro-batches, vLLM's share auto) every method fits Qwen3-4B and Qwen3-8B on 8
-    GPUs of 80 GiB or fewer; the second setting is the defaults before issue 39 (8 sequences, vLLM at 0.3)."""
+    """At the defaults (16,384-token micro-batches, vLLM's share auto: its KV cache must hold 1/8 of the rank's 512
+    sequences) every method fits Qwen3-4B and Qwen3-8B on 8 "80 GB" GPUs (79.11 GiB to CUDA) or fewer; the second
+    setting is the defaults before issue 39 (8 sequences, vLLM at 0.3). SP3O on Qwen3-4B over 2 ranks: the trainer
+    keeps 12 bytes x 8,044,938,753 / 2 + 1 GiB in the rollout, which leaves vLLM 0.36 of the GPU: 28.5 GiB less its
+    7.5 GiB of weights and 2 GiB = 19.0 GiB of KV cache, 15 sequences of 9,216 tokens (1.27 GiB each), fewer than
+    256 / 8 = 32."""
     table = memory.scaling_table()
-    assert "| `sp3o.py` | Qwen3-4B | 2 | 1 (127 GiB) | 4 | 1 (127 GiB) |" in table
-    assert "| `grpo.py` | Qwen3-8B | 2 | 1 (137 GiB) | 4 | 1 (137 GiB) |" in table
+    assert "| `sp3o.py` | Qwen3-4B | 4 | 2 (62 GiB) | 4 | 1 (124 GiB) |" in table
+    assert "| `grpo.py` | Qwen3-8B | 4 | 2 (64 GiB) | 8 | 1 (128 GiB) |" in table
+    models = (("policy", QWEN3_4B, 0, True), ("critic", QWEN3_4B, 1, True))
+    two = Setup(models, ranks=2, generated=(256, 9216), auto_share=True, rollout=256)
+    gpu = memory.CUDA_80GB_GIB * GIB
+    assert memory.fit(two, gpu, gpu)[1].startswith("the memory plan leaves vLLM 0.36 of the 79.1 GiB GPU, a KV cache "
+                                                   "of 19.0 GiB: 15 sequences of 9,216 tokens at once, fewer than 1/8")
     rows = [line.split(" | ") for line in table.splitlines()[2:]]
     defaults = {(row[0].strip("| `"), row[1]): int(row[2]) for row in rows}
     assert {method for method, _ in defaults} >= {"sp3o.py", "ppo.py", "tppo.py", "sppo.py", "grpo.py", "spo.py"}

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import infra.cli
 import infra.memory as memory
 from infra.memory import GIB, Setup, Shape
@@ -81,3 +83,16 @@ def test_rehearsal_at_a_small_shape_matches_its_plan_and_grows_about_linearly():
         assert r["plan_rows"]["logits"] == 8 * r["response"] * (2 ** 24 // r["response"] + 128)
         assert r["seconds"] > 0 and r["peak"] > r["plan_rows"]["weights"]
     assert done.returncode == 0 and "growth about linear: yes" in done.stdout
+
+
+def test_the_plans_transient_terms_against_their_live_bytes():
+    """benchmarks/rehearsal.py --terms at small shapes: a layer's backward in float32 holds exactly the plan's 2bI a
+    token above its start (8 x 1,024 = 8,192 bytes); AdamW's foreach step 4 bytes a parameter, its for-loop step 8
+    bytes x the largest tensor (torch.profiler's live bytes; a few bytes of step counters besides)."""
+    measured, planned = rehearsal.layer_backward(128, 1024, 2, "float32", False, tokens=512)
+    assert planned == 2 * 4 * 1024 and measured == pytest.approx(planned, rel=0.02)
+    measured, planned = rehearsal.layer_backward(128, 1024, 2, "bfloat16", True, tokens=512)
+    assert measured == pytest.approx(planned, rel=0.15)  # checkpointed: the recomputed saved tensors + 2bI
+    for foreach in (True, False):
+        measured, parameters, largest = rehearsal.optimizer_step(foreach)
+        assert measured == pytest.approx(4 * parameters if foreach else 8 * largest, rel=1e-4)
