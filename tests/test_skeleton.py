@@ -32,8 +32,8 @@ ALLOWED = {
 }
 NOT_HELPERS = {"main"}  # the loop itself: kept aligned by `diff`, not identical
 # The project's files and their parents, with the budget of changed lines (`diff parent.py file.py | grep -c '^[<>]'`;
-# None: spo vs grpo must not grow, reviewed by hand; sppo 120 -> 130 for its own held-out list, issue 46). ppo and grpo are the two roots; any other trainer is a fork,
-# whose parent is the project's file it differs from least.
+# None: spo vs grpo must not grow, reviewed by hand; sppo 120 -> 130 for its own held-out list, issue 46). ppo and
+# grpo are the two roots; any other trainer is a fork, whose parent is the project's file it differs from least.
 PARENTS = {"sp3o": ("ppo", 40), "tppo": ("ppo", 100), "sppo": ("ppo", 130), "spo": ("grpo", None)}
 ROOTS = ("ppo", "grpo")
 
