@@ -424,8 +424,9 @@ def test_auto_vllm_share_by_hand():
     assert memory.vllm_share(big, 80 * GIB)[0] < 0  # 16-byte states of 15.8B parameters on one GPU: nothing left
     with pytest.raises(infra.UserError) as refused:
         memory.check_share(big, 80 * GIB)
-    assert str(refused.value) == ("the memory plan leaves vLLM 0.00 of the 80.0 GiB GPU, a KV cache of 0.0 GiB: 0 "
-                                  "sequences of 9,216 tokens at once, fewer than 1/8 of this rank's rollout of 512 (64)")
+    assert str(refused.value) == ("the memory plan leaves vLLM 0.00 of the 80.0 GiB GPU, a KV cache of 0.0 GiB: "
+                                  "0 sequences of 9,216 tokens at once, fewer than 1/8 of this rank's rollout of "
+                                  "512 (64)")
 
 
 def test_check_returns_the_share_the_engine_gets(tmp_path, capsys):
