@@ -17,9 +17,10 @@ what finished.
    (--micro-batch-tokens, the default; CPU: 64 + 512 and 64 + 192 into 1,024): GRPO, GRPO with --offload-optimizer,
    PPO (policy and critic). Asserted: the peak (GPU: torch.cuda.max_memory_allocated; CPU: the resident high-water
    mark) within +-PLAN_TOL of infra.memory.plan's rows for the same setup (GPU: less its "overhead" row, the CUDA
-   context, which the allocator does not see; the "engine" row aside: no engine runs), the loss and gradients
-   finite. Reported: max_memory_reserved against the same rows, the host peak, update tokens/s and MFU
-   (bench_update.update_flops over the micro-batches; peak 989 TFLOP/s on an H100 or H200).
+   context, which the allocator does not see; the "engine" row aside: no engine runs; on CPU not for the offloaded
+   update, see PLAN_TOL), the loss and gradients finite. Reported: max_memory_reserved against the same rows, the
+   host peak, update tokens/s and MFU (bench_update.update_flops over the micro-batches and models; peak 989
+   TFLOP/s on an H100 or H200).
 2. trainers: each trainer file (forks too) 3 steps on the built-in tiny model with the Hugging Face engine in bf16
    (--dtype bfloat16: autocast over float32 weights), the actor updating from step 0 (--critic-warmup 0), the tiny
    model's own settings otherwise (64 prompts x 8 samples; CPU: 16 x 8), SCALES' `jobs` at once (on a GPU a tiny
@@ -233,6 +234,15 @@ def planned_generate(spec, layers, device):
 
 
 # ---------------------------------------------------------------------------------------------- the check
+def stop(process):
+    """Kill a child process and whatever it started (its own session: start_new_session)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:  # gone already
+        pass
+    process.wait()
+
+
 class Check:
     """The runs of one check, their results (self.results, by name, in the order run) and every process's output."""
 
@@ -274,15 +284,13 @@ class Check:
                     if status is None and time.time() - began < timeout:
                         continue
                     if status is None:
-                        os.killpg(process.pid, signal.SIGKILL)
-                        process.wait()
+                        stop(process)
                         status = "timed out"
                     done[name] = self.finished(name, status)
                 time.sleep(0.2)
         finally:
             for name in list(self.running):  # a Cut (or any error): nothing keeps running behind the check
-                os.killpg(self.running[name][0].pid, signal.SIGKILL)
-                self.running[name][0].wait()
+                stop(self.running[name][0])
                 self.finished(name, "cut")
         return done
 

@@ -23,11 +23,11 @@ CLIP = 0.2  # |ratio - 1| beyond which the six files' default clip range (0.2) c
 def deviation_statistics(deviations):
     """{mean, q99, max, clipped, tokens} of a 1-d tensor of deviations (|ratio - 1| over the first mini-batch's
     tokens, or |engine log-prob - trainer log-prob| over the rollout's): clipped is the fraction beyond CLIP."""
-    import torch
+    import numpy as np
     if not deviations.numel():
         return dict(mean=0.0, q99=0.0, max=0.0, clipped=0.0, tokens=0)
     deviations = deviations.double()
-    return dict(mean=deviations.mean().item(), q99=torch.quantile(deviations, 0.99).item(),
+    return dict(mean=deviations.mean().item(), q99=float(np.quantile(deviations.numpy(), 0.99)),  # any size
                 max=deviations.max().item(), clipped=(deviations > CLIP).double().mean().item(),
                 tokens=deviations.numel())
 
@@ -41,11 +41,14 @@ def correlation(x, y):
 
 def observe(trainer, report_path, argv, deterministic=False):
     """Run `trainer`.main() with argv in this process; write {step: figures} to report_path, where figures are
-    ratio_statistics of the first mini-batch (the policy_loss calls made before the step's first optimizer step: the
-    six files step all their optimizers together at a mini-batch's end) with `calls`, and `direction`: the
+    `ratio`: deviation_statistics of |ratio - 1| over the first mini-batch (the policy_loss calls made before the
+    step's first optimizer step: the six files step all their optimizers together at a mini-batch's end) with
+    `calls`, the policy_loss calls it took; `direction`: the
     correlation, over the rollout's samples, of the reward with the change of the sample's mean log-prob from before
     the step's update to after it (the trainer's own log-prob call repeated on the rollout's batch once the step has
-    updated: a correct update raises the samples that scored higher, so it is > 0; a sign error makes it < 0).
+    updated: a correct update raises the samples that scored higher, so it is > 0; a sign error makes it < 0), with
+    `change`, the mean |change| (measured on CPU: 2e-3, ten times the bf16 gap's mean per token), and `gap`: the
+    deviation_statistics of |engine log-prob - trainer's old log-prob| over the rollout's tokens.
     deterministic: torch's deterministic algorithms (an operation without one warns, in the log) and SDPA's math
     kernel (the memory-efficient kernel's backward stays nondeterministic under warn_only), so that a resumed run can
     repeat a straight one exactly."""
@@ -97,7 +100,8 @@ def observe(trainer, report_path, argv, deterministic=False):
             after = common.batched(lambda micro: common.response_logprobs(state["policy"], micro, temperature),
                                    batch.to(mask.device), 16)
             change = ((after - trainer_logprobs.float()) * mask).sum(1) / mask.sum(1).clamp(min=1)
-            state["rollout"]["direction"] = correlation(rewards.float().cpu(), change.cpu())
+            state["rollout"].update(direction=correlation(rewards.float().cpu(), change.cpu()),
+                                    change=change.abs().mean().item())  # its size, against bf16 noise
         engine = common.engine_logprobs(completions, mask.shape[1]).to(mask.device)
         state["rollout"]["gap"] = deviation_statistics((engine - trainer_logprobs.float()).abs()[mask].cpu())
         state["batches"] = []
@@ -163,7 +167,9 @@ def one_update(spec):
     optimizer stepping on the CPU). Each update: the old log-probs (PPO: old values) without gradients, advantages,
     one mini-batch of forward + backward per micro-batch, gradient clipping and an AdamW step per model. Returns the
     peaks (memory_figures), the micro-batches' shapes, the update's FLOPs (bench_update.update_flops, summed over
-    the micro-batches), and the seconds of each update phase (old log-probs excluded)."""
+    the micro-batches and the models), and the seconds of each update phase (old log-probs excluded)."""
+    import types
+
     import torch
 
     import common
@@ -200,7 +206,8 @@ def one_update(spec):
     mask, samples, tokens = batch.response_mask, len(lengths), spec["micro_batch_tokens"]
     rewards = torch.arange(samples, device=device).remainder(2).float()  # half of them right: A != 0
     micro = common.micro_batches(list(range(samples)), batch.lengths(), 1, tokens)
-    flops = sum(update_flops(config, batch.select(rows)) for rows in micro)
+    counted = [config] + [types.SimpleNamespace(**{**config.to_dict(), "vocab_size": 1})] * (critic is not None)
+    flops = sum(update_flops(model, batch.select(rows)) for rows in micro for model in counted)  # a critic: one output
     seconds, finite = [], True
     for _ in range(spec["repeats"]):
         old_logprobs = common.batched(lambda part: common.response_logprobs(policy, part), batch, 1, tokens)
