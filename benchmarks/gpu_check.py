@@ -449,10 +449,10 @@ class Check:
             return
         (few, a), (many, b) = sorted(steps.items())
         whole = SHAPES[spec["shape"]][1]["num_hidden_layers"]
-        per_layer = (b - a) / (many - few)
-        self.results["generate extrapolated"] = dict(
-            part="speed", layers=whole, step_s=a + per_layer * (whole - few), per_layer_s=per_layer,
-            tokens_per_s=spec["sequences"] / (a + per_layer * (whole - few)), problems=[])
+        per_layer = (b - a) / (many - few)  # <= 0 where a layer costs less than the noise (the CPU's tiny layers)
+        step = a + per_layer * (whole - few) if per_layer > 0 else math.nan
+        self.results["generate extrapolated"] = dict(part="speed", layers=whole, step_s=step, per_layer_s=per_layer,
+                                                     tokens_per_s=spec["sequences"] / step, problems=[])
 
     def write(self, text):
         os.makedirs(self.out, exist_ok=True)

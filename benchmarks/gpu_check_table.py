@@ -11,13 +11,17 @@ def gib(value):
     return f"{value:.2f}" if value is not None and math.isfinite(value) else "-"
 
 
+def layers(count):
+    return f"{count} layer" + "s" * (count != 1)
+
+
 def verdict(result):
     return "ok" if not result["problems"] else "FAIL: " + "; ".join(result["problems"])[:200].replace("|", "/")
 
 
 def updates(check):
     s, rules, cuda = check.scale["update"], check.rules, check.device == "cuda"
-    shape = ", ".join([f"{s['layers']} layers"] + [f"{k}={v}" for k, v in s["overrides"].items()])
+    shape = ", ".join([layers(s["layers"])] + [f"{k}={v}" for k, v in s["overrides"].items()])
     lines = [f"1. Real-size updates: {s['shape']} ({shape}), 1 x ({s['prompt']:,} + {s['long_response']:,}) and "
              f"{s['short_count']} x ({s['prompt']:,} + {s['short_response']:,}) tokens in micro-batches of "
              f"{s['micro_batch_tokens']:,} tokens, checkpointing, bf16 autocast", "",
@@ -102,13 +106,16 @@ def speed(check):
              "|---|---:|---:|---|---:|---:|---:|"]
     for name, r in check.part_results("speed"):
         if r.get("skipped"):
-            lines.append(f"| {r['layers']} layers | {NOT_RUN} | | | | | |")
+            lines.append(f"| {layers(r['layers'])} | {NOT_RUN} | | | | | |")
+        elif "per_layer_s" in r and math.isnan(r["step_s"]):
+            lines.append(f"| {r['layers']} layers: not extrapolated, a layer's time below the noise (b = "
+                         f"{1e3 * r['per_layer_s']:.2f} ms) | - | - | - | - | - | - |")
         elif "per_layer_s" in r:
             lines.append(f"| {r['layers']} layers: extrapolated, a + b x layers (b = {1e3 * r['per_layer_s']:.2f} ms) "
                          f"| {r['tokens_per_s']:,.0f} | {r['step_s']:.4f} | - | - | - | - |")
         else:
             peak = f"{gib(r['peak_gib'])} / {gib(r['reserved_gib'])} / -" if cuda else f"- / - / {gib(r['peak_gib'])}"
-            lines.append(f"| {r['layers']} layers{'' if not r['problems'] else ': ' + verdict(r)} | "
+            lines.append(f"| {layers(r['layers'])}{'' if not r['problems'] else ': ' + verdict(r)} | "
                          f"{r['tokens_per_s']:,.0f} | {r['step_s']:.4f} | {peak} | {gib(r['planned_gib'])} | "
                          f"{r['ratio']:.2f} | {r['seconds']:.0f} |")
     return lines

@@ -242,6 +242,35 @@ def test_the_speed_part_extrapolates_a_line_through_two_layer_counts(tmp_path, m
     assert line["tokens_per_s"] == pytest.approx(256 / 0.04)
 
 
+def test_the_table_shows_what_finished_and_what_did_not(tmp_path):
+    """A check cut during its trainers, after its updates (one of them failed on the plan, one left out by the
+    budget): the table shows the updates' rows and the trainers' so far, the verdict names the failure, the cut and
+    the parts not run, and the exit status is the cut's (124); without the cut, the failure's (1); with nothing
+    failed but a run left out, 3. A speed part whose per-layer time is below the noise is not extrapolated."""
+    from benchmarks.gpu_check_table import table
+    check = gpu_check.Check("cpu", str(tmp_path / "out"), str(tmp_path))
+    check.results["machine"] = "CPU (test)"
+    update = dict(part="updates", method="grpo", offload=False, planned_gib=1.0, plan_rows={}, peak_gib=math.nan,
+                  ratio=0.5, asserted=True, reserved_gib=0.0, host_gib=2.0, micro_batches=[[1, 576], [4, 256]],
+                  update_s=6.0, tokens_per_s=400.0, flops_per_s=1e9, mfu=None, seconds=30.0,
+                  problems=["plan / peak 0.50, outside 1 +- 0.2"])
+    check.results["update grpo"] = update
+    check.results["update ppo"] = dict(part="updates", skipped=True, problems=[])
+    check.results["grpo"] = dict(part="trainers", skipped=True, problems=[])
+    text, status = table(check, ["updates", "trainers"], cut="trainers")
+    assert status == 124 and "| grpo | 1x576, 4x256 | - / - / 2.00 | 1.00 | 0.50 | 6.00 | 400 | - | 30 | FAIL" in text
+    assert "| ppo | not run (budget spent) |" in text and "| grpo.py | not run (budget spent) |" in text
+    assert text.endswith("FAILED: update grpo; CUT during trainers; parts not run: trainers, compare, speed; not run "
+                         "(budget spent): update ppo, grpo; load " + text.rsplit("load ", 1)[1])
+    assert table(check, ["updates", "trainers"])[1] == 1
+    update["problems"] = []
+    assert table(check, gpu_check.PARTS)[1] == 3
+    check.results["generate extrapolated"] = dict(part="speed", layers=36, step_s=math.nan, per_layer_s=-4.8e-3,
+                                                  tokens_per_s=math.nan, problems=[])
+    assert "| 36 layers: not extrapolated, a layer's time below the noise (b = -4.80 ms) |" in table(check,
+                                                                                                 ["speed"])[0]
+
+
 def test_observe_records_the_ratio_of_the_first_mini_batch_only(tmp_path):
     """A 1-step GRPO run through `observe` whose old log-probs are the engine's (--old-logprobs engine: HF generate's
     own numbers, one token at a time on its KV cache, in float32): the ratio it records over the first of 2
