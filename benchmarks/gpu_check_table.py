@@ -32,13 +32,16 @@ def updates(check):
             lines.append(f"| {name[7:]} | {NOT_RUN} | | | | | | | | |")
             continue
         shapes = ", ".join(f"{rows}x{width}" for rows, width in r["micro_batches"] or [])
+        runs = r.get("peaks_gib") or []
+        host = gib(r["host_gib"]) + (f" (least of {', '.join(map(gib, runs))})" if len(runs) > 1 and not cuda else "")
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-"
         lines.append(f"| {name[7:]} | {shapes or '-'} | {gib(r['peak_gib']) if cuda else '-'} / "
-                     f"{gib(r['reserved_gib']) if cuda else '-'} / {gib(r['host_gib'])} | {gib(r['planned_gib'])} | "
+                     f"{gib(r['reserved_gib']) if cuda else '-'} / {host} | {gib(r['planned_gib'])} | "
                      f"{r['ratio']:.2f}{'' if r['asserted'] else ' (reported)'} | {r['update_s']:.2f} | "
                      f"{r['tokens_per_s']:,.0f} | {mfu} | "
                      f"{r['seconds']:.0f} | {verdict(r)} |")
-    peak = "max_memory_allocated" if cuda else "the resident high-water mark"
+    peak = "max_memory_allocated" if cuda else \
+        f"the resident high-water mark, the least of {check.scale['update_runs']} runs at once"
     return lines + ["", f"Peak ({peak}) against infra.memory.plan's rows for the same setup: plan / peak within 1 +- "
                         f"{rules['PLAN_TOL']}. Reserved and host peaks reported. Update s: one mini-batch's forward, "
                         f"backward and AdamW step (after a first, untimed); MFU: bench_update.update_flops / time / "
