@@ -35,14 +35,17 @@ def updates(check):
         runs = r.get("peaks_gib") or []
         host = gib(r["host_gib"]) + (f" (least of {', '.join(map(gib, runs))})" if len(runs) > 1 and not cuda else "")
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-"
+        reserved = f"; whole plan / reserved {r['reserved_ratio']:.2f}" if math.isfinite(
+            r.get("reserved_ratio") or math.nan) else ""
         lines.append(f"| {name[7:]} | {shapes or '-'} | {gib(r['peak_gib']) if cuda else '-'} / "
                      f"{gib(r['reserved_gib']) if cuda else '-'} / {host} | {gib(r['planned_gib'])} | "
-                     f"{r['ratio']:.2f}{'' if r['asserted'] else ' (reported)'} | {r['update_s']:.2f} | "
+                     f"{r['ratio']:.2f}{'' if r['asserted'] else ' (reported)'}{reserved} | {r['update_s']:.2f} | "
                      f"{r['tokens_per_s']:,.0f} | {mfu} | "
                      f"{r['seconds']:.0f} | {verdict(r)} |")
     peak = "max_memory_allocated" if cuda else \
         f"the resident high-water mark, the least of {check.scale['update_runs']} runs at once"
-    return lines + ["", f"Peak ({peak}) against infra.memory.plan's rows for the same setup: plan / peak within 1 +- "
+    return lines + ["", f"Peak ({peak}) against infra.memory.plan's rows for the same setup (on a GPU all but "
+                        f"fragmentation, which the whole plan / reserved reports): plan / peak within 1 +- "
                         f"{rules['PLAN_TOL']}. Reserved and host peaks reported. Update s: one mini-batch's forward, "
                         f"backward and AdamW step (after a first, untimed); MFU: bench_update.update_flops / time / "
                         f"989 TFLOP/s."]

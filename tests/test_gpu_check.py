@@ -215,6 +215,9 @@ def test_the_gpu_memory_comparison_is_the_plan_less_the_cuda_context():
             assert whole["overhead"][0] == memory.GIB  # the CUDA context and workspaces (assumed)
             weights = 4 * sum(s.parameters(h) for _, s, h, _ in models)  # float32
             assert (gpu["weights"], whole["weights"][1]) == ((0, weights) if offload else (weights, 0))
+    planned = dict(weights=3.0, activations=4.0, fragmentation=1.0)  # a plan with a fragmentation row
+    assert gpu_check.allocated_rows(planned, "cuda") == dict(weights=3.0, activations=4.0)  # not allocated
+    assert gpu_check.allocated_rows(planned, "cpu") == planned  # the resident peak holds it all
     cpu_spec = gpu_check.SCALES["cpu"]["update"]
     cpu = gpu_check.planned_update("grpo", True, cpu_spec, "cpu")
     shape = gpu_check.model_shape(cpu_spec)
