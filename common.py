@@ -62,15 +62,20 @@ def load_model(name_or_path, dtype="auto", device=None, trust_remote_code=False,
     for module in model.modules():  # no dropout in RL (as verl): the value head's classifier_dropout defaults to 0.1
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-    if gradient_checkpointing:  # recompute each layer's activations in backward (HF checkpoints in train mode only)
-        options = {"use_reentrant": False}
-        if hasattr(model, "activation_checkpointing_enable"):  # its new name (5.25 has it); the old one warns
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
-        else:  # transformers before the rename (5.19)
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
-        model.train()
+    if gradient_checkpointing:
+        enable_gradient_checkpointing(model)
     model = model if dist.offloaded() else model.to(device)  # offloaded: FSDP moves a unit at a time, then to host
     return (dist.shard_model(model, model.compute_dtype) if dist.sharded() else model), tokenizer
+
+
+def enable_gradient_checkpointing(model):
+    """Recompute each layer's activations in backward (Hugging Face checkpoints in train mode only: it is set)."""
+    options = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # its new name (5.25 has it); the old one warns
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
+    else:  # transformers before the rename (5.19)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+    model.train()
 
 
 def forward(model, batch, **kwargs):

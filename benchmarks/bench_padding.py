@@ -79,8 +79,7 @@ def main():
     keep_freed_host_memory()  # as infra.run.Run does on CPU
     from bench_update import build_model
     model = build_model("qwen3-0.6b-shape", "cpu", "bfloat16", args.layers)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
+    common.enable_gradient_checkpointing(model)  # as common.load_model does; training mode too
     batch = long_tailed_batch(args, model.config.vocab_size)
     lengths = sorted(batch.response_mask.sum(1).tolist())
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} torch "

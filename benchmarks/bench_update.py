@@ -7,9 +7,11 @@ Models: the built-in tiny model, and a randomly initialized model of Qwen3-0.6B'
 16 query / 8 key-value heads of 128, MLP 3072, vocabulary 151,936, tied embeddings; no download). One update
 step is a forward pass over a batch of prompt + response tokens, the response log-probs, a policy-gradient-like
 loss (mean log-prob over response tokens) and its backward pass; no optimizer step. tokens/s counts every token
-of the batch (prompt and response). MFU = 6 x parameters x tokens / time / peak FLOP/s, the usual dense
-estimate (it counts the tied lm_head once, for every token, although logits are computed only over the
-response). `generate` tokens/s: Hugging Face generate, sampling, every sequence forced to the full length.
+of the batch (prompt and response). MFU = update_flops / time / peak FLOP/s: the decoder layers' matrices and
+attention over every token, the LM head over the response columns only, no embedding lookup (a plain 6 x parameters
+x tokens counts the embedding and a head over every token: 20-25% more at these shapes), gradient checkpointing's
+recomputation not counted. `generate` tokens/s: Hugging Face generate, sampling, every sequence forced to the full
+length.
 On the shared CPU machine wall times are inflated by other processes: the table prints the load average.
 """
 import argparse
@@ -34,7 +36,10 @@ QWEN3_0_6B_SHAPE = dict(hidden_size=1024, num_hidden_layers=28, num_attention_he
 SMOLLM2_135M_SHAPE = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                           head_dim=64, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
                           max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5)  # its config.json
-SHAPES = {"qwen3-0.6b-shape": ("qwen3", QWEN3_0_6B_SHAPE), "smollm2-135m-shape": ("llama", SMOLLM2_135M_SHAPE)}
+QWEN3_4B_SHAPE = dict(QWEN3_0_6B_SHAPE, hidden_size=2560, num_hidden_layers=36, num_attention_heads=32,
+                      intermediate_size=9728)  # its config.json; the rest as Qwen3-0.6B's (vocabulary, tied, heads)
+SHAPES = {"qwen3-0.6b-shape": ("qwen3", QWEN3_0_6B_SHAPE), "qwen3-4b-shape": ("qwen3", QWEN3_4B_SHAPE),
+          "smollm2-135m-shape": ("llama", SMOLLM2_135M_SHAPE)}
 
 
 def build_model(name, device, dtype, layers=0, value_head=0, **overrides):
@@ -149,7 +154,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if cuda else "cpu", help="cpu or cuda")
     parser.add_argument("--models", nargs="+", default=["tiny", "qwen3-0.6b-shape"],
-                        help="tiny, qwen3-0.6b-shape, smollm2-135m-shape")
+                        help="tiny, qwen3-0.6b-shape, qwen3-4b-shape, smollm2-135m-shape")
     parser.add_argument("--dtype", default="", help="compute dtype; weights stay float32, as in the trainers "
                         "(default: bfloat16 on GPU, float32 on CPU)")
     parser.add_argument("--batch-size", type=int, default=0, help="sequences per update step (default: 2 CPU, 16 GPU)")
@@ -161,8 +166,8 @@ def main():
     parser.add_argument("--min-seconds", type=float, default=10.0, help="time update steps for at least this long")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="recompute layer activations in backward")
     parser.add_argument("--peak-flops", type=float, default=989e12, help="peak FLOP/s for MFU (H100/H200 bf16 dense)")
-    parser.add_argument("--layers", type=int, default=0, help="decoder layers of the Qwen3-0.6B-shaped model "
-                        "(default: its 28; fewer run quicker, the FLOPs per token are counted for the layers built)")
+    parser.add_argument("--layers", type=int, default=0, help="decoder layers of a real model's shape "
+                        "(default: its own; fewer run quicker, the FLOPs per token are counted for the layers built)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (on a shared CPU, 2 threads ran 2-30x slower than 1: OpenMP waits)")
     args = parser.parse_args()
@@ -189,7 +194,7 @@ def main():
         model = build_model(name, args.device, args.dtype, args.layers)
         model.train()
         if args.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            common.enable_gradient_checkpointing(model)  # as common.load_model does
         vocab = model.config.vocab_size
         parameters = sum(p.numel() for p in model.parameters())
         batch = random_batch(vocab, args.batch_size, args.prompt_length, args.response_length, args.device)
@@ -197,8 +202,8 @@ def main():
         seconds, steps = timed(lambda model=model: update_step(model, batch), args.device, args.warmup,
                                args.min_seconds)
         memory = peak_memory_gib(args.device)
-        mfu = 6 * parameters * tokens / seconds / args.peak_flops if on_gpu else None
         flops = update_flops(model.config, batch)
+        mfu = flops / seconds / args.peak_flops if on_gpu else None
         generate = generate_tokens_per_second(model, args, vocab)
         rows.append((name, parameters, tokens, steps, seconds, tokens / seconds, mfu, generate, memory, flops))
         del model

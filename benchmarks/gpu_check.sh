@@ -4,18 +4,22 @@
 # in the slow tests (tests/test_gpu_check.py).
 #
 #     bash benchmarks/gpu_wheels.sh                  # here, beforehand (PyPI): the missing wheels into .gpu-wheels
-#     bash benchmarks/gpu_check.sh --out $OUT        # there (the device tool: carry [".gpu-wheels"]), ~6 min
-#     bash benchmarks/gpu_check.sh --device cpu      # anywhere: the same check scaled down, ~5.5 min on 2 cores
+#     bash benchmarks/gpu_check.sh --out $OUT        # there (the device tool: carry [".gpu-wheels"]), < 10 min
+#     bash benchmarks/gpu_check.sh --device cpu      # anywhere: the same check scaled down, < 8 min on 2 cores
 #     bash benchmarks/gpu_check.sh --out $OUT -- --parts trainers compare   # some parts only (gpu_check.py --help)
 #
 # 1. Packages: nothing is installed when `import torch, transformers, tyro, math_verify` works. Else the wheels in
 #    --wheels (default .gpu-wheels) go into a folder of their own (pip install --no-index --no-deps --target), put
 #    first on PYTHONPATH; --force-wheels installs them even when the imports work (a check of the folder).
-# 2. python benchmarks/gpu_check.py --device DEVICE --out OUT: the six trainers 3 steps in bf16 on the tiny model,
-#    --offload-optimizer and --resume against a straight run, a Qwen3-0.6B-shaped update at 4,096 and 8,192 tokens
-#    against the memory plan; what each asserts: its docstring. It prints one table and writes gpu_check.md,
-#    gpu_check.json and gpu_check.log to OUT. Cut at 570 s on a GPU (the device tool allows 600 s a command).
-# Exit status: 0 when every check passed, 1 when one failed, 2 on a bad flag, 124 when cut.
+# 2. python benchmarks/gpu_check.py --device DEVICE --out OUT, its parts in order of value: real-size updates
+#    (Qwen3-4B's width, 16,384-token micro-batches, with and without --offload-optimizer) against the memory plan;
+#    the six trainers 3 steps in bf16 on the tiny model, several at once; ppo.py in float32: exact ratios,
+#    --offload-optimizer and --resume against a straight run; the HF engine's speed. What each asserts: its
+#    docstring. After each part it writes the table so far (gpu_check.md), gpu_check.json and gpu_check.log to OUT;
+#    it keeps to a budget of 540 s on a GPU and is cut at 570 s (the device tool allows 600 s a command): a cut
+#    leaves the table of what finished.
+# Exit status: 0 when every check passed, 1 when one failed, 2 on a bad flag, 3 when the budget left a part out,
+# 124 when cut.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEVICE=cuda OUT=runs/gpu_check/out WHEELS=.gpu-wheels FORCE_WHEELS=0 PYTHON=${PYTHON:-python3}
@@ -49,7 +53,16 @@ if [ "$FORCE_WHEELS" = 1 ] || ! "$PYTHON" -c "$imports" 2>/dev/null; then
 fi
 "$PYTHON" -c "import tyro, math_verify; print('tyro', tyro.__version__, 'from', tyro.__file__)"
 export PYTHONUNBUFFERED=1
-timeout "$LIMIT" "$PYTHON" benchmarks/gpu_check.py --device "$DEVICE" --out "$OUT" "$@"
+# In the background so that a SIGTERM to this script (the caller's timeout) reaches the check, which then stops its
+# processes and writes what finished; timeout sends it SIGTERM at $LIMIT s, SIGKILL 20 s later.
+timeout -k 20 "$LIMIT" "$PYTHON" benchmarks/gpu_check.py --device "$DEVICE" --out "$OUT" "$@" &
+child=$!
+trap 'kill -TERM $child 2> /dev/null' TERM INT
+wait $child
 status=$?
+if [ $status -gt 128 ] && kill -0 $child 2> /dev/null; then  # the wait was interrupted by a signal: the check ends
+    wait $child
+    status=$?
+fi
 echo "gpu_check.sh: exit $status after $((SECONDS - start)) s; table and figures in $OUT"
 exit $status

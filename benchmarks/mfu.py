@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import torch  # noqa: E402
 
+import common  # noqa: E402
 from bench_update import build_model, peak_memory_gib, random_batch, update_step  # noqa: E402
 from ceiling import ceiling_flops_per_second, measure  # noqa: E402
 from infra.memory import keep_freed_host_memory  # noqa: E402
@@ -99,7 +100,7 @@ def main():
     model = build_model(args.model, "cpu", args.dtype, 0 if args.model == "tiny" else args.layers)
     model.train()
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        common.enable_gradient_checkpointing(model)  # as common.load_model does
     config = model.config
     batch = random_batch(config.vocab_size, args.rows, args.prompt_length, args.response_length, "cpu")
     if args.left_pad:

@@ -104,6 +104,7 @@ def build_models(args):
     """(policy, critic or None, optimizers, the method's module and Args) as a trainer holds them after a step."""
     import torch
 
+    import common
     import grpo
     import ppo
     from benchmarks.bench_update import build_model
@@ -115,8 +116,8 @@ def build_models(args):
 
     def build(value_head=0):  # as common.load_model(..., gradient_checkpointing=True): bf16 compute, training mode
         model = build_model(args.model, "cpu", "bfloat16", args.layers, value_head, **overrides)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return model.train()
+        common.enable_gradient_checkpointing(model)  # training mode too
+        return model
 
     policy = build()
     critic = build(value_head=1) if args.method == "ppo" else None
