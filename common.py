@@ -85,8 +85,9 @@ def response_forward(model, batch, hidden=False):
     P+T-1, [B, T+1, ...]. hidden=True: the final hidden states there instead, [B, T+1, d] (the LM head is left out
     of the call: response_logprobs applies it a slice of the vocabulary at a time). Rows that share a prompt (a
     group's samples) share one pass over it: the prompt's keys and values are computed once and indexed out to each
-    row, so its activations and gradients are computed once per group. The same numbers as one full forward up to
-    float noise (tests/test_logprobs.py). One full forward under gradient checkpointing (Hugging Face then keeps no
+    row, so its activations and gradients are computed once per group; and the prompts' common head (a chat
+    template's system turn, a few-shot example) is read once for all of them (read_common_prefix). The same numbers
+    as one full forward up to float noise (tests/test_logprobs.py). One full forward under gradient checkpointing (Hugging Face then keeps no
     cache) and FSDP (its backward hooks sit on a call's outputs; the prompt pass has none in the loss)."""
     from transformers import DynamicCache
     head = model.get_output_embeddings() if hidden else None
@@ -98,27 +99,55 @@ def response_forward(model, batch, hidden=False):
         prompts, rows = torch.cat([batch.input_ids[:, prefix], batch.attention_mask[:, prefix]], 1).unique(
             dim=0, return_inverse=True) if prompt_width > 1 else (batch.input_ids, None)
         keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-        cache_name = cache_argument(model)  # (a value head has no logits_to_keep: it keeps every column)
-        if len(prompts) == len(batch.input_ids) or dist.sharded() or cache_name is None or any(
-                getattr(module, "gradient_checkpointing", False) for module in model.modules()):
+        cache_name, cache = cache_argument(model), DynamicCache(config=model.config)  # (a value head has no
+        dtype = getattr(model, "compute_dtype", torch.float32)  # logits_to_keep: it keeps every column)
+        autocast = torch.autocast(batch.input_ids.device.type, dtype=dtype, enabled=dtype != torch.float32)
+        shared = not (dist.sharded() or cache_name is None or prompt_width < 2 or any(
+            getattr(module, "gradient_checkpointing", False) for module in model.modules()))
+        if shared:
+            with autocast:  # the distinct prompts' common head (a system turn, an example) read once, then the rest
+                ids, mask = read_common_prefix(model, prompts[:, :prompt_width - 1], prompts[:, prompt_width - 1:],
+                                               cache)
+        if not shared or len(prompts) == len(batch.input_ids) and not cache.get_seq_length():
             outputs = forward(model, batch, **({"logits_to_keep": batch.response_width + 1} if keep else {}))
             if outputs.logits.shape[1] > batch.response_width + 1:  # a value head's; a no-op slice's backward fills 0
                 outputs.logits = outputs.logits[:, -batch.response_width - 1:]
             return outputs
-        first = torch.zeros(len(prompts), dtype=torch.long, device=rows.device).scatter_(
-            0, rows, torch.arange(len(rows), device=rows.device))  # a row of each distinct prompt
-        inputs, dtype = batch.model_inputs(), getattr(model, "compute_dtype", torch.float32)
-        cache = DynamicCache(config=model.config)
-        with torch.autocast(batch.input_ids.device.type, dtype=dtype, enabled=dtype != torch.float32):
-            model(**{name: value[first, prefix] for name, value in inputs.items()}, use_cache=True,
+        inputs, positions = batch.model_inputs(), (mask.cumsum(1) - 1).clamp(min=0)
+        with autocast:  # each distinct prompt once; its keys and values then indexed out to its rows
+            model(input_ids=ids, attention_mask=mask, position_ids=positions[:, -ids.shape[1]:], use_cache=True,
                   **{cache_name: cache}, **keep)
             cache.batch_select_indices(rows)  # indexed: the copies' gradients add up in the prompt's pass
-            return model(input_ids=inputs["input_ids"][:, prompt_width - 1:], attention_mask=inputs["attention_mask"],
-                         position_ids=inputs["position_ids"][:, prompt_width - 1:], use_cache=True,
-                         **{cache_name: cache})
+            return model(input_ids=inputs["input_ids"][:, prompt_width - 1:], use_cache=True, **{cache_name: cache},
+                         attention_mask=torch.cat([mask[rows], inputs["attention_mask"][:, prompt_width - 1:]], 1),
+                         position_ids=inputs["position_ids"][:, prompt_width - 1:])
     finally:
         if hidden:
             model.set_output_embeddings(head)
+
+
+def read_common_prefix(model, input_ids, attention_mask, cache, min_tokens=16):
+    """Read the tokens that every left-padded row of [B, W] `input_ids` starts with (a chat template's system turn, a
+    few-shot example) once, into `cache`, copied to each row. Returns the rest of each row, left-padded, and the mask
+    of the whole row, [the prefix][padding][the rest] (positions count real tokens, so every token keeps its position
+    and context: the same numbers as one pass up to float noise). Each row keeps at least its last token. Rows and mask
+    come back as given (nothing read) for one row, a prefix under min_tokens, or a cache not plain full attention."""
+    lengths = attention_mask.sum(1)
+    shortest, width = int(lengths.min()) - 1, input_ids.shape[1]
+    if len(input_ids) < 2 or shortest < min_tokens or any(type(layer).__name__ != "DynamicLayer"
+                                                          for layer in getattr(cache, "layers", [None])):
+        return input_ids, attention_mask
+    heads = input_ids.gather(1, (width - lengths)[:, None] + torch.arange(shortest, device=input_ids.device))
+    prefix = int((heads == heads[:1]).all(0).cumprod(0).sum())  # the first columns where every row agrees
+    if prefix < min_tokens:
+        return input_ids, attention_mask
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    model(input_ids=heads[:1, :prefix], attention_mask=attention_mask.new_ones(1, prefix), use_cache=True,
+          position_ids=torch.arange(prefix, device=input_ids.device)[None], **{cache_argument(model): cache}, **keep)
+    cache.batch_select_indices(torch.zeros(len(input_ids), dtype=torch.long, device=input_ids.device))
+    rest = int(lengths.max()) - prefix  # the longest remainder
+    rest_mask = (torch.arange(rest, device=input_ids.device) >= (rest - (lengths - prefix))[:, None]).long()
+    return input_ids[:, width - rest:], torch.cat([attention_mask.new_ones(len(input_ids), prefix), rest_mask], 1)
 
 
 def cache_argument(model):
