@@ -51,20 +51,24 @@ def training_matmuls(rows, fan_in, fan_out):
             ("dY^T X", fan_out, rows, fan_in, True, False)]
 
 
+CLOCK = time.perf_counter  # --clock cpu: time.process_time, the process's CPU time (on a shared machine it moves
+# less with the load than wall time; with one thread it is that thread's time)
+
+
 def time_matmul(m, k, n, dtype, min_seconds, a_transposed=False, b_transposed=False, min_calls=3):
     """Median seconds of torch.matmul([m, k], [k, n]) in `dtype` (an operand stored transposed when asked), after
-    one untimed call, over at least min_calls calls and min_seconds."""
+    one untimed call, over at least min_calls calls and min_seconds (CLOCK's seconds)."""
     generator = torch.Generator().manual_seed(0)
     a = torch.randn((k, m) if a_transposed else (m, k), generator=generator).to(dtype)
     b = torch.randn((n, k) if b_transposed else (k, n), generator=generator).to(dtype)
     a, b = a.t() if a_transposed else a, b.t() if b_transposed else b
     out = torch.empty(m, n, dtype=dtype)
     torch.matmul(a, b, out=out)
-    times, start = [], time.perf_counter()
-    while len(times) < min_calls or time.perf_counter() - start < min_seconds:
-        tick = time.perf_counter()
+    times, start = [], CLOCK()
+    while len(times) < min_calls or CLOCK() - start < min_seconds:
+        tick = CLOCK()
         torch.matmul(a, b, out=out)
-        times.append(time.perf_counter() - tick)
+        times.append(CLOCK() - tick)
     return statistics.median(times)
 
 
@@ -104,11 +108,15 @@ def main():
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (as the update being judged)")
     parser.add_argument("--min-seconds", type=float, default=1.0, help="time each shape for at least this long")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="cpu: the process's CPU time "
+                        "(benchmarks/phase_times.py's clock; one thread)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    global CLOCK
+    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     shape = SHAPES[args.shape][1]
     args.layers = args.layers or shape["num_hidden_layers"]
-    print(f"torch {torch.__version__}, {args.threads} thread(s), {os.cpu_count()} cores; "
+    print(f"torch {torch.__version__}, {args.threads} thread(s), {os.cpu_count()} cores, {args.clock} clock; "
           f"load average before: {os.getloadavg()[0]:.2f}")
     print(f"{args.shape}: {args.tokens} tokens, LM head over {args.logit_tokens}, {args.layers} layers\n")
     print("| dtype | layer | product | [m x k] x [k x n] | ms | GFLOP/s |")

@@ -66,14 +66,34 @@ PROFILED_STEP = int(os.environ.get("PROFILE_UPDATE", -1))
 PROFILER = {"step": 0, "profiler": None}
 
 
-def count_update_flops(function, flops):
+def decoder_parameters(config):
+    """The decoder layers' matmul parameters (benchmarks/mfu.py's N)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    query, key_value = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    return config.num_hidden_layers * (config.hidden_size * (query + 2 * key_value) + query * config.hidden_size
+                                       + 3 * config.hidden_size * config.intermediate_size)
+
+
+def count_update_flops(function, flops, executed):
+    """Each policy micro-batch with gradients: update_flops (every row in full) into `flops`; into `executed`, what
+    the passes ran: 6 x decoder parameters x the tokens of each model call (a group's prompt and the prompts' common
+    head once) + the LM head over the response columns (attention not counted)."""
     def wrapper(model, batch, *args, **kwargs):
-        if torch.is_grad_enabled():
-            flops.append(update_flops(model.config, batch))
-            if PROFILER["step"] == PROFILED_STEP and PROFILER["profiler"] is None:
-                PROFILER["profiler"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-                PROFILER["profiler"].__enter__()
-        return function(model, batch, *args, **kwargs)
+        if not torch.is_grad_enabled():
+            return function(model, batch, *args, **kwargs)
+        flops.append(update_flops(model.config, batch))
+        if PROFILER["step"] == PROFILED_STEP and PROFILER["profiler"] is None:
+            PROFILER["profiler"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            PROFILER["profiler"].__enter__()
+        config, tokens = model.config, []
+        hook = model.register_forward_pre_hook(lambda module, args, kwargs: tokens.append(kwargs["input_ids"].numel()),
+                                               with_kwargs=True)
+        try:
+            return function(model, batch, *args, **kwargs)
+        finally:
+            hook.remove()
+            executed.append(6 * decoder_parameters(config) * sum(tokens) + 6 * config.hidden_size
+                            * config.vocab_size * batch.response_ids.shape[0] * (batch.response_width + 1))
     return wrapper
 
 
@@ -97,8 +117,8 @@ def main():
     infra.run.Run.save = timed("checkpoint", infra.run.Run.save)
     infra.engine.HFGenerator.generate = timed("rollout sampling", infra.engine.HFGenerator.generate)
     common.batched = timed("passes without gradients", common.batched)
-    flops = []
-    common.response_logprobs = count_update_flops(common.response_logprobs, flops)
+    flops, executed = [], []
+    common.response_logprobs = count_update_flops(common.response_logprobs, flops, executed)
     infra.run.Run.end_step = end_profile(infra.run.Run.end_step)
     first_step, steps = [], infra.run.Run.steps
 
@@ -119,9 +139,12 @@ def main():
     for phase, (cpu, wall) in TOTALS.items():
         print(f"{phase:<34} cpu {cpu:8.1f} s   wall {wall:8.1f} s")
     update_cpu = TOTALS["update and the rest of each step"][0]
-    print(f"update FLOPs (update_flops over the policy's micro-batches): {sum(flops) / 1e12:.2f} TFLOP in {update_cpu:.1f}"
-          f" CPU s = {sum(flops) / max(update_cpu, 1e-9) / 1e9:.1f} GFLOP/s")
+    for name, counted in (("update FLOPs (update_flops over the policy's micro-batches)", flops),
+                          ("executed (decoder matmuls of each pass, LM head; no attention)", executed)):
+        print(f"{name}: {sum(counted) / 1e12:.2f} TFLOP in {update_cpu:.1f} CPU s = "
+              f"{sum(counted) / max(update_cpu, 1e-9) / 1e9:.1f} GFLOP/s")
     print(json.dumps({"load_before": load, "load_after": os.getloadavg()[0], "update_flops": sum(flops),
+                      "executed_flops": sum(executed),
                       **{phase: {"cpu_s": cpu, "wall_s": wall} for phase, (cpu, wall) in TOTALS.items()}}))
 
 
