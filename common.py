@@ -90,9 +90,11 @@ def response_forward(model, batch, hidden=False):
     P+T-1, [B, T+1, ...]. hidden=True: the final hidden states there instead, [B, T+1, d] (the LM head is left out
     of the call: response_logprobs applies it a slice of the vocabulary at a time). Rows that share a prompt (a
     group's samples) share one pass over it: the prompt's keys and values are computed once and indexed out to each
-    row, so its activations and gradients are computed once per group. The same numbers as one full forward up to
-    float noise (tests/test_logprobs.py). One full forward under gradient checkpointing (Hugging Face then keeps no
-    cache) and FSDP (its backward hooks sit on a call's outputs; the prompt pass has none in the loss)."""
+    row, so its activations and gradients are computed once per group; and the prompts' common head (a chat
+    template's system turn, a few-shot example) is read once for all of them (read_common_prefix). The same numbers
+    as one full forward up to float noise (tests/test_logprobs.py). One full forward under gradient checkpointing
+    (Hugging Face then keeps no cache) and FSDP (its backward hooks sit on a call's outputs; the prompt pass has none
+    in the loss)."""
     from transformers import DynamicCache
     head = model.get_output_embeddings() if hidden else None
     if hidden:  # outputs.logits = head(final hidden states): with an identity head, the hidden states themselves
@@ -103,27 +105,64 @@ def response_forward(model, batch, hidden=False):
         prompts, rows = torch.cat([batch.input_ids[:, prefix], batch.attention_mask[:, prefix]], 1).unique(
             dim=0, return_inverse=True) if prompt_width > 1 else (batch.input_ids, None)
         keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-        cache_name = cache_argument(model)  # (a value head has no logits_to_keep: it keeps every column)
-        if len(prompts) == len(batch.input_ids) or dist.sharded() or cache_name is None or any(
-                getattr(module, "gradient_checkpointing", False) for module in model.modules()):
+        cache_name, cache = cache_argument(model), DynamicCache(config=model.config)  # (a value head has no
+        dtype = getattr(model, "compute_dtype", torch.float32)  # logits_to_keep: it keeps every column)
+        autocast = torch.autocast(batch.input_ids.device.type, dtype=dtype, enabled=dtype != torch.float32)
+        shared = not (dist.sharded() or cache_name is None or prompt_width < 2 or any(
+            getattr(module, "gradient_checkpointing", False) for module in model.modules()))
+        if not shared or len(prompts) == len(batch.input_ids) and not common_prefix_length(
+                prompts[:, :prompt_width - 1], prompts[:, prompt_width - 1:]):
             outputs = forward(model, batch, **({"logits_to_keep": batch.response_width + 1} if keep else {}))
             if outputs.logits.shape[1] > batch.response_width + 1:  # a value head's; a no-op slice's backward fills 0
                 outputs.logits = outputs.logits[:, -batch.response_width - 1:]
             return outputs
-        first = torch.zeros(len(prompts), dtype=torch.long, device=rows.device).scatter_(
-            0, rows, torch.arange(len(rows), device=rows.device))  # a row of each distinct prompt
-        inputs, dtype = batch.model_inputs(), getattr(model, "compute_dtype", torch.float32)
-        cache = DynamicCache(config=model.config)
-        with torch.autocast(batch.input_ids.device.type, dtype=dtype, enabled=dtype != torch.float32):
-            model(**{name: value[first, prefix] for name, value in inputs.items()}, use_cache=True,
-                  **{cache_name: cache}, **keep)
+        inputs = batch.model_inputs()
+        with autocast:  # one region, so each weight is cast once (autocast's cache): the distinct prompts' common
+            # head (a system turn, an example) read once, then each prompt's rest once, indexed out to its rows
+            ids, mask = read_common_prefix(model, prompts[:, :prompt_width - 1], prompts[:, prompt_width - 1:], cache)
+            positions = (mask.cumsum(1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+            model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{cache_name: cache},
+                  **keep)
             cache.batch_select_indices(rows)  # indexed: the copies' gradients add up in the prompt's pass
-            return model(input_ids=inputs["input_ids"][:, prompt_width - 1:], attention_mask=inputs["attention_mask"],
-                         position_ids=inputs["position_ids"][:, prompt_width - 1:], use_cache=True,
-                         **{cache_name: cache})
+            return model(input_ids=inputs["input_ids"][:, prompt_width - 1:], use_cache=True, **{cache_name: cache},
+                         attention_mask=torch.cat([mask[rows], inputs["attention_mask"][:, prompt_width - 1:]], 1),
+                         position_ids=inputs["position_ids"][:, prompt_width - 1:])
     finally:
         if hidden:
             model.set_output_embeddings(head)
+
+
+def common_prefix_length(input_ids, attention_mask, min_tokens=16):
+    """How many tokens every left-padded row of [B, W] `input_ids` starts with, each row keeping at least its last
+    token; 0 for one row or a prefix under min_tokens."""
+    lengths = attention_mask.sum(1)
+    shortest, width = int(lengths.min()) - 1, input_ids.shape[1]
+    if len(input_ids) < 2 or shortest < min_tokens:
+        return 0
+    heads = input_ids.gather(1, (width - lengths)[:, None] + torch.arange(shortest, device=input_ids.device))
+    prefix = int((heads == heads[:1]).all(0).cumprod(0).sum())  # the first columns where every row agrees
+    return prefix if prefix >= min_tokens else 0
+
+
+def read_common_prefix(model, input_ids, attention_mask, cache):
+    """Read the tokens that every left-padded row of [B, W] `input_ids` starts with (a chat template's system turn, a
+    few-shot example; common_prefix_length) once, into `cache`, copied to each row. Returns the rest of each row,
+    left-padded, and the mask of the whole row, [the prefix][padding][the rest] (positions count real tokens, so each
+    token keeps its position and context: one pass's numbers up to float noise). Rows and mask come back as given
+    (nothing read) without a common prefix or with a cache that is not plain full attention (sliding windows)."""
+    full_attention = all(type(layer).__name__ == "DynamicLayer" for layer in getattr(cache, "layers", [None]))
+    prefix = common_prefix_length(input_ids, attention_mask) if full_attention else 0
+    if not prefix:
+        return input_ids, attention_mask
+    lengths, width, device = attention_mask.sum(1), input_ids.shape[1], input_ids.device
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    first = input_ids[:1, width - int(lengths[0]):][:, :prefix]
+    model(input_ids=first, attention_mask=torch.ones_like(first), use_cache=True, **{cache_argument(model): cache},
+          position_ids=torch.arange(prefix, device=device)[None], **keep)
+    cache.batch_select_indices(torch.zeros(len(input_ids), dtype=torch.long, device=device))
+    rest = int(lengths.max()) - prefix  # the longest remainder
+    rest_mask = (torch.arange(rest, device=device) >= (rest - (lengths - prefix))[:, None]).long()
+    return input_ids[:, width - rest:], torch.cat([attention_mask.new_ones(len(input_ids), prefix), rest_mask], 1)
 
 
 def cache_argument(model):

@@ -2,8 +2,10 @@
 
     OMP_NUM_THREADS=1 python benchmarks/ceiling.py                          # 1,088 tokens, bf16 and float32
     OMP_NUM_THREADS=2 python benchmarks/ceiling.py --threads 2 --tokens 4160 --logit-tokens 4096 --dtypes bfloat16
+    OMP_NUM_THREADS=1 python benchmarks/ceiling.py --shape smollm2-135m-shape --tokens 1024 --logit-tokens 512
 
-Shapes: Qwen3-0.6B's linear layers (bench_update.QWEN3_0_6B_SHAPE) over `--tokens` rows: q [1024 -> 2048], k and v
+Shapes (--shape, default qwen3-0.6b-shape; smollm2-135m-shape: SmolLM2-135M's, hidden 576, 30 layers, vocabulary
+49,152): Qwen3-0.6B's linear layers (bench_update.QWEN3_0_6B_SHAPE) over `--tokens` rows: q [1024 -> 2048], k and v
 [1024 -> 1024], o [2048 -> 1024], gate and up [1024 -> 3072], down [3072 -> 1024]; and the tied LM head [1024 ->
 151,936] over `--logit-tokens` rows (the update computes logits over the response only). Each as nn.Linear runs it
 in training, W stored [out x in]: forward Y = X W^T ([tokens x in] x [in x out], W read transposed), backward
@@ -28,7 +30,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import torch  # noqa: E402
 
-from bench_update import QWEN3_0_6B_SHAPE  # noqa: E402
+from bench_update import SHAPES  # noqa: E402
 
 
 def linear_layers(config):
@@ -49,20 +51,24 @@ def training_matmuls(rows, fan_in, fan_out):
             ("dY^T X", fan_out, rows, fan_in, True, False)]
 
 
+CLOCK = time.perf_counter  # --clock cpu: time.process_time, the process's CPU time (on a shared machine it moves
+# less with the load than wall time; with one thread it is that thread's time)
+
+
 def time_matmul(m, k, n, dtype, min_seconds, a_transposed=False, b_transposed=False, min_calls=3):
     """Median seconds of torch.matmul([m, k], [k, n]) in `dtype` (an operand stored transposed when asked), after
-    one untimed call, over at least min_calls calls and min_seconds."""
+    one untimed call, over at least min_calls calls and min_seconds (CLOCK's seconds)."""
     generator = torch.Generator().manual_seed(0)
     a = torch.randn((k, m) if a_transposed else (m, k), generator=generator).to(dtype)
     b = torch.randn((n, k) if b_transposed else (k, n), generator=generator).to(dtype)
     a, b = a.t() if a_transposed else a, b.t() if b_transposed else b
     out = torch.empty(m, n, dtype=dtype)
     torch.matmul(a, b, out=out)
-    times, start = [], time.perf_counter()
-    while len(times) < min_calls or time.perf_counter() - start < min_seconds:
-        tick = time.perf_counter()
+    times, start = [], CLOCK()
+    while len(times) < min_calls or CLOCK() - start < min_seconds:
+        tick = CLOCK()
         torch.matmul(a, b, out=out)
-        times.append(time.perf_counter() - tick)
+        times.append(CLOCK() - tick)
     return statistics.median(times)
 
 
@@ -96,20 +102,28 @@ def main():
     parser.add_argument("--tokens", type=int, default=1088, help="rows of the decoder matmuls: tokens per micro-batch "
                         "(default: 64 prompt + 1,024 response)")
     parser.add_argument("--logit-tokens", type=int, default=1024, help="rows of the LM head's matmuls (the response)")
-    parser.add_argument("--layers", type=int, default=28, help="decoder layers, for the ceiling's mix (Qwen3-0.6B: 28)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b-shape", help="the model's linear layers")
+    parser.add_argument("--layers", type=int, default=0, help="decoder layers, for the ceiling's mix (default: the "
+                        "shape's own, Qwen3-0.6B: 28, SmolLM2-135M: 30)")
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (as the update being judged)")
     parser.add_argument("--min-seconds", type=float, default=1.0, help="time each shape for at least this long")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="cpu: the process's CPU time "
+                        "(benchmarks/phase_times.py's clock; one thread)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} thread(s), {os.cpu_count()} cores; "
+    global CLOCK
+    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
+    shape = SHAPES[args.shape][1]
+    args.layers = args.layers or shape["num_hidden_layers"]
+    print(f"torch {torch.__version__}, {args.threads} thread(s), {os.cpu_count()} cores, {args.clock} clock; "
           f"load average before: {os.getloadavg()[0]:.2f}")
-    print(f"Qwen3-0.6B shapes: {args.tokens} tokens, LM head over {args.logit_tokens}, {args.layers} layers\n")
+    print(f"{args.shape}: {args.tokens} tokens, LM head over {args.logit_tokens}, {args.layers} layers\n")
     print("| dtype | layer | product | [m x k] x [k x n] | ms | GFLOP/s |")
     print("|---|---|---|---|---:|---:|")
     summary = []
     for dtype_name in args.dtypes:
-        results = measure(QWEN3_0_6B_SHAPE, args.tokens, args.logit_tokens, getattr(torch, dtype_name),
+        results = measure(shape, args.tokens, args.logit_tokens, getattr(torch, dtype_name),
                           args.min_seconds)
         for name, product, m, k, n, seconds, _ in results:
             print(f"| {dtype_name} | {name} | {product} | [{m} x {k}] x [{k} x {n}] | {1e3 * seconds:.1f} | "

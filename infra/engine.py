@@ -4,7 +4,7 @@ with the trainer's own model (generate's sampling, in a leaner loop); the vLLM e
 """
 import torch
 
-from common import Completion, cache_argument, prompt_ids
+from common import Completion, cache_argument, prompt_ids, read_common_prefix
 from infra import UserError, dist, progress
 
 
@@ -94,12 +94,13 @@ class HFGenerator:
         logprobs = torch.zeros(rows, max_tokens, device=device)
         stops = torch.tensor(self.stop_ids, device=device)
         cache, active = DynamicCache(config=self.model.config), torch.arange(rows, device=device)  # rows still going
-        positions = (attention_mask.cumsum(1) - 1).clamp(min=0)
+        cache_name = cache_argument(self.model)
         # The prompt is read once for its n samples (rows repeat it): the cache rows are then copied to each sample.
         prompts, copies = torch.cat([input_ids, attention_mask], 1).unique(dim=0, return_inverse=True)
-        step_ids, step_mask, step_positions = prompts[:, :input_ids.shape[1]], prompts[:, input_ids.shape[1]:], \
-            (prompts[:, input_ids.shape[1]:].cumsum(1) - 1).clamp(min=0)
-        cache_name = cache_argument(self.model)
+        step_ids, step_mask = prompts[:, :input_ids.shape[1]], prompts[:, input_ids.shape[1]:]
+        step_ids, step_mask = read_common_prefix(self.model, step_ids, step_mask, cache)  # their common head, once
+        step_positions = (step_mask.cumsum(1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
+        attention_mask, positions = step_mask[copies], step_positions[copies]
         for step in range(max_tokens):
             logits = self.model(input_ids=step_ids, attention_mask=step_mask, position_ids=step_positions,
                                 **{cache_name: cache}, use_cache=True,

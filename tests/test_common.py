@@ -588,13 +588,21 @@ def test_hf_generator_completions(tiny):
     assert eos not in [t for c in cut for t in c.token_ids]
 
 
-def test_hf_generator_greedy_equals_hugging_face_generate(tiny):
+@pytest.mark.parametrize("head", ["", "12+34 46\n" * 3])
+def test_hf_generator_greedy_equals_hugging_face_generate(tiny, head):
     # The engine's own sampling loop (a stopped row leaves the batch and the KV cache) decodes greedily exactly as
-    # Hugging Face generate does, on prompts of different lengths (left padding) that stop at different steps.
+    # Hugging Face generate does, on prompts of different lengths (left padding) that stop at different steps; with a
+    # head all prompts start with (27 tokens, as a chat template's system turn), read once: one row, then the rests.
     from transformers import GenerationConfig
     model, tokenizer = tiny
-    prompts = [common.prompt_ids(tokenizer, q) for q in PROMPT_QUESTIONS + ["9+9", "999+999"]]
+    prompts = [common.prompt_ids(tokenizer, head + q) for q in PROMPT_QUESTIONS + ["9+9", "999+999"]]
+    calls = []
+    hook = model.register_forward_hook(lambda module, args, kwargs, out: calls.append(kwargs["input_ids"].shape),
+                                       with_kwargs=True)
     ours = infra.engine.HFGenerator(model, tokenizer).generate(prompts, n=1, max_tokens=48, temperature=0.0)
+    hook.remove()
+    rest = max(map(len, prompts)) - len(head)  # the head is 1 token per character (the tiny model's tokenizer)
+    assert calls[:2] == ([(1, len(head)), (6, rest)] if head else [(6, rest), (6, 1)])
     pad, eos, width = tokenizer.pad_token_id, tokenizer.eos_token_id, max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     with torch.no_grad():
@@ -630,10 +638,10 @@ def test_hf_generator_samples_the_models_distribution(tiny):
             assert abs(frequency[token] - p) <= 4 * (p * (1 - p) / n).sqrt() + 1e-6, (top_p, token, frequency[token], p)
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_engine_logprobs_equal_trainer_logprobs(tiny, temperature):
-    model, tokenizer = tiny
-    prompts = [common.prompt_ids(tokenizer, q) for q in PROMPT_QUESTIONS]
+@pytest.mark.parametrize("temperature, head", [(1.0, ""), (0.7, ""), (1.0, "12+34 46\n" * 3)])
+def test_engine_logprobs_equal_trainer_logprobs(tiny, temperature, head):
+    model, tokenizer = tiny  # with a head: the engine reads it once (above), the trainer once per micro-batch
+    prompts = [common.prompt_ids(tokenizer, head + q) for q in PROMPT_QUESTIONS]
     torch.manual_seed(1)
     completions = infra.engine.HFGenerator(model, tokenizer).generate(prompts, n=2, max_tokens=48,
                                                                       temperature=temperature, top_p=1.0)

@@ -184,28 +184,36 @@ def test_response_logprobs_match_naive_and_gradients(tiny):
     assert isinstance(model.get_output_embeddings(), torch.nn.Linear)  # the head is back after the call
 
 
-def grouped_batch(tokenizer, prompt_lengths=(1, 5, 9, 3), samples=3, seed=0):
+def grouped_batch(tokenizer, prompt_lengths=(1, 5, 9, 3), samples=3, seed=0, head=0):
     """`samples` rows per prompt (a prompt of one token included: nothing to share but the last column), responses
-    of 0-8 tokens (an empty one included)."""
+    of 0-8 tokens (an empty one included); head > 0: every prompt starts with the same `head` tokens (a system turn,
+    a few-shot example)."""
     rng = random.Random(seed)
-    prompts = [prompt for length in prompt_lengths
+    common_head = [rng.randint(4, 90) for _ in range(head)]
+    prompts = [common_head + prompt for length in prompt_lengths
                for prompt in [[rng.randint(4, 90) for _ in range(length)]] * samples]
     responses = [[rng.randint(4, 90) for _ in range(rng.randint(0, 8))] for _ in prompts]
     responses[1] = []
     return common.sequence_batch(prompts, responses, tokenizer.pad_token_id)
 
 
+# head 0: four distinct prompts (1, 5, 9, 3 tokens), each read once; head 20: the four start with the same 20 tokens,
+# read once for all (the shortest prompt's 20 + 1 tokens leave 20 before its last column, and it keeps one of those),
+# then each prompt's rest (9 + 1 columns at most)
+@pytest.mark.parametrize("head, samples, passes", [(0, 3, [(4, 9 - 1)]), (20, 3, [(1, 19), (4, 10 - 1)]),
+                                                   (20, 1, [(1, 19), (4, 10 - 1)])])
 @pytest.mark.parametrize("value_head", [0, 1])
-def test_response_forward_shares_prompts_with_the_full_forwards_numbers(value_head):
-    """Rows of one prompt read it once (keys and values indexed out to each row): outputs at columns P-1 .. P+T-1
-    and every parameter's gradient equal one full forward's, for the policy and for a value-head critic."""
+def test_response_forward_shares_prompts_with_the_full_forwards_numbers(value_head, head, samples, passes):
+    """Rows of one prompt read it once (keys and values indexed out to each row), and the prompts' common head once
+    for all of them: outputs at columns P-1 .. P+T-1 and every parameter's gradient equal one full forward's, for the
+    policy and for a value-head critic."""
     model, tokenizer = common.load_model("tiny", "float32", "cpu", value_head=value_head)
-    batch = grouped_batch(tokenizer)
+    batch = grouped_batch(tokenizer, samples=samples, head=head)
     calls = []
     model.register_forward_hook(lambda module, args, kwargs, out: calls.append(kwargs["input_ids"].shape),
                                 with_kwargs=True)
     shared = common.response_forward(model, batch).logits
-    assert calls[0] == (4, batch.input_ids.shape[1] - batch.response_width - 1)  # 4 distinct prompts, not 12 rows
+    assert calls[:-1] == passes and calls[-1] == (4 * samples, batch.response_width + 1)
     full = model(**batch.model_inputs()).logits[:, -batch.response_width - 1:]
     kept = torch.cat([torch.ones(len(batch.input_ids), 1, dtype=torch.bool), batch.response_mask], 1)
     assert shared.shape == full.shape
