@@ -40,7 +40,7 @@ class Args(infra.cli.RunArgs):
     critic_lr: float = 2e-6  # critic learning rate (VAPO: 2e-6)
     weight_decay: float = 0.1  # AdamW weight decay (SP3O/SPPO: 0.1; verl: 0.01)
     adam_betas: tuple[float, float] = (0.9, 0.98)  # AdamW betas (SP3O: 0.9, 0.98; verl: 0.9, 0.999)
-    mini_batches: int = 16  # optimizer steps per rollout per epoch (VAPO: 16, mini-batches of 512 samples)
+    mini_batches: int = 16  # optimizer steps per rollout per epoch (VAPO: 16; 8192 samples, mini-batches of 512)
     epochs: int = 1  # passes over each rollout (SP3O/SPPO/verl: 1)
     critic_epochs: int = 0  # critic passes over each rollout (0: --epochs, as SP3O, SPPO and verl's critic.ppo_epochs)
     grad_clip: float = 1.0  # max global gradient norm (SP3O/SPPO/verl: 1.0)

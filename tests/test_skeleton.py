@@ -255,4 +255,5 @@ def test_a_real_model_keeps_each_files_published_settings():
     assert (real["spo"]["mini_batches"], real["spo"]["epochs"], real["spo"]["kl_coef"]) == (8, 2, 1e-4)
     assert (real["ppo"]["aggregation"], real["ppo"]["weight_decay"], real["tppo"]["lam_actor"]) == (
         "seq-mean", 0.1, 0.95)
-    assert (real["vapo"]["critic_warmup"], real["vapo"]["clip_high"], real["vapo"]["samples_per_prompt"]) == (50, 0.28, 16)
+    assert (real["vapo"]["critic_warmup"], real["vapo"]["clip_high"], real["vapo"]["samples_per_prompt"]) == (
+        50, 0.28, 16)

@@ -136,6 +136,19 @@ def test_after_pretraining_the_critic_takes_lambda_critic(monkeypatch, tmp_path)
     assert "policy_loss" in record and record["value_loss"] != pytest.approx(monte_carlo, rel=1e-2)
 
 
+@pytest.mark.parametrize("flags, lam", [(["--length-alpha", 0.1], 0.5), (["--length-alpha", 0.05], 0.0),
+                                        (["--length-alpha", 0.0, "--lam-actor", 1.0], 1.0)])
+def test_the_loops_advantages_take_the_length_adaptive_lambda_by_hand(flags, lam, monkeypatch, tmp_path):
+    # Every response correct (R = 1) and 20 tokens long; the critic reads V = 1/2 everywhere (head weights 0, bias
+    # 1/2), so delta_t = 0 inside and 1 - 1/2 at the last token, and A_t = 1/2 lambda^(19 - t). At alpha 0.1,
+    # lambda = 1 - 1/(0.1 x 20) = 0.5; at VAPO's 0.05, 1 - 1/1 = 0; off, --lam-actor 1. One mini-batch, ratio 1: the
+    # token-mean PPO loss is -mean_t A_t = -1/2 (1 - lambda^20) / (20 (1 - lambda)) (-1/2 at lambda 1).
+    record, _ = run_one_step(monkeypatch, tmp_path, "vapo", ONE_UPDATE + CRITIC + ["--nll-coef", 0.0] + flags,
+                             "stop", critic_bias=0.5)
+    expected = -0.5 * (1.0 if lam == 1 else (1 - lam ** RESPONSE_TOKENS) / (RESPONSE_TOKENS * (1 - lam)))
+    assert record["policy_loss"] == pytest.approx(expected, rel=1e-5), (record["policy_loss"], expected)
+
+
 def nll_by_rule(policy, batch):
     """L_NLL of eq. 9 with every response correct and RESPONSE_TOKENS long: the mean of -log pi over all tokens."""
     assert batch.response_mask.all()
@@ -187,6 +200,32 @@ def test_a_cut_response_gets_no_positive_example_loss(nll_run):
     assert on["reward"] == 0.0 and on["truncated"] == 1.0
     assert on["policy_loss"] == off["policy_loss"] and on["grad_norm"] == off["grad_norm"]
     assert on["policy_loss"] != 0.0  # the PPO term is there: the comparison is not between two zeros
+
+
+def test_in_a_mixed_batch_the_loss_is_the_nll_of_the_correct_responses_alone(monkeypatch, tmp_path):
+    # The rollout's odd prompts are cut at the limit (reward 0), the even ones stop (reward 1): the same text, so the
+    # responses differ only in their reward (and last token). One mini-batch, before any update: the PPO term is the
+    # same with and without mu, so the two logged losses differ by mu x the NLL over the correct responses' tokens
+    # (eq. 9's denominator counts those tokens, not the batch's).
+    import scripted_engine
+    generate = scripted_engine.ScriptedEngine.generate
+
+    def mixed(self, prompts, n=1, max_tokens=256, *args, **kwargs):
+        stopped = generate(self, prompts, n, max_tokens, *args, **kwargs)
+        self.finish = "length"
+        cut = generate(self, prompts, n, max_tokens, *args, **kwargs)
+        self.finish = "stop"
+        return [c if c.prompt_index % 2 else s for s, c in zip(stopped, cut)]
+    monkeypatch.setattr(scripted_engine.ScriptedEngine, "generate", mixed)
+    mu, flags = 0.1, ONE_UPDATE + CRITIC
+    on, models = run_one_step(monkeypatch, tmp_path / "on", "vapo", flags + ["--nll-coef", mu], "stop", critic_bias=1.0)
+    off = run_one_step(monkeypatch, tmp_path / "off", "vapo", flags + ["--nll-coef", 0.0], "stop", critic_bias=1.0)[0]
+    correct = models["rewards"] == 1
+    assert correct.tolist() == [True] * 4 + [False] * 4 and on["reward"] == 0.5  # prompt 0's 4 samples, prompt 1's
+    with torch.no_grad():
+        nll = -plain_logprobs(models["policy_start"], models["batch"])[correct].mean().item()
+    assert on["policy_loss"] - off["policy_loss"] == pytest.approx(mu * nll, rel=1e-4), (on["policy_loss"],
+                                                                                        off["policy_loss"], nll)
 
 
 def test_a_group_of_one_runs(monkeypatch, tmp_path):
