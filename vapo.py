@@ -29,7 +29,7 @@ import infra.run
 
 @dataclass
 class Args(infra.cli.RunArgs):
-    """VAPO's knobs: its §5.1, else DAPO's. (NAME: value) names a source (docs/methods.md has the table)."""
+    """VAPO's knobs: its §5.1, else ppo.py's. (NAME: value) names a source (docs/methods.md has the table)."""
     prompts_per_step: int = 512  # prompts per rollout (VAPO: 512)
     samples_per_prompt: int = 16  # G, samples per prompt: group sampling (VAPO: 16)
     critic_model: str = ""  # critic backbone (default: the policy's base model; a smaller one works too)

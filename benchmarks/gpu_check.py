@@ -71,7 +71,7 @@ SCALES = {  # per device: the trainers' flags beyond the tiny preset, the update
                 shape=dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
                            intermediate_size=384), speed=["--models", "tiny", "--min-seconds", "1"],
                 train_timeout=300, update_timeout=300, budget=1500)}
-EXTRA_FLAGS = {"ppo": ["--critic-warmup", "0"], "sp3o": ["--critic-warmup", "0"]}  # the tiny preset's: 5
+EXTRA_FLAGS = {name: ["--critic-warmup", "0"] for name in ("ppo", "sp3o", "vapo")}  # the tiny preset's: 5
 COMPARE_FLAGS = ["--dtype", "float32", "--samples-per-prompt", "1", "--old-logprobs", "recompute", "--critic-warmup",
                  "0", "--eval-problems", "8"]
 
