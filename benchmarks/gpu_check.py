@@ -100,7 +100,7 @@ SCALES = {  # per device: budget (s), processes at once, trainer flags beyond th
                               new_tokens=64),
                 train_timeout=400, update_timeout=300, generate_timeout=200)}
 UPDATES = (("grpo", False), ("grpo", True), ("ppo", False))  # (method, --offload-optimizer)
-EXTRA_FLAGS = {"ppo": ["--critic-warmup", "0"], "sp3o": ["--critic-warmup", "0"]}  # the tiny preset's: 5
+EXTRA_FLAGS = {name: ["--critic-warmup", "0"] for name in ("ppo", "sp3o", "vapo")}  # the tiny preset's: 5
 COMPARE_FLAGS = ["--dtype", "float32", "--samples-per-prompt", "1", "--old-logprobs", "recompute", "--critic-warmup",
                  "0", "--eval-problems", "8"]
 

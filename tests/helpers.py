@@ -164,6 +164,7 @@ QWEN_LIKE_TRAINERS = with_forks({  # ppo: its probe's Monte Carlo values; spo: S
     "sppo": ["--prompts-per-step", "4", "--mini-batches", "2", "--micro-batch-size", "2"],
     "sp3o": ["--samples-per-prompt", "2", "--micro-batch-size", "4", "--critic-warmup", "1"],
     "tppo": ["--samples-per-prompt", "2", "--micro-batch-size", "4"],
+    "vapo": ["--samples-per-prompt", "2", "--micro-batch-size", "4", "--critic-warmup", "1", "--mini-batches", "2"],
     "spo": ["--mode", "tree", "--tree-prompts", "2", "--tree-depth", "2", "--tree-branching", "2",
             "--tree-segment-tokens", "8", "--micro-batch-size", "4", "--mini-batches", "1"],
 })

@@ -116,7 +116,7 @@ TWO_STEPS = ["--steps", 2, "--eval-problems", 2, "--eval-n", 1, "--eval-max-toke
              "--critic-warmup", 0]
 
 
-@pytest.mark.parametrize("trainer", ["ppo", "sp3o", "tppo", "sppo"])
+@pytest.mark.parametrize("trainer", ["ppo", "sp3o", "tppo", "sppo", "vapo"])
 def test_every_critic_trainer_logs_a_finite_explained_variance_when_all_rewards_are_equal(trainer, monkeypatch,
                                                                                        tmp_path):
     # every reward 0, then every reward 1, through the trainer's own loop: returns R everywhere (SPPO: the rewards

@@ -5,8 +5,9 @@ The terms, read from each file's Args and main() (none of the six has an entropy
 - the k3 KL to the frozen reference, beta = --kl-coef, in all six: reduced like the policy loss in grpo.py and the
   ppo.py family (token-mean; ppo.py's and sp3o.py's published seq-mean), by SPO's released rule in spo.py (kl_loss:
   k3 summed over each sequence's probability-masked tokens, averaged over the sequences);
-- the critic's value loss in ppo.py, sp3o.py (dense in the warm-up, at the anchors after), tppo.py, sppo.py: always
-  on, its own model and optimizer, no coefficient flag (its step size is --critic-lr's), so only its direction.
+- the critic's value loss in ppo.py, sp3o.py (dense in the warm-up, at the anchors after), tppo.py, sppo.py, vapo.py:
+  always on, its own model and optimizer, no coefficient flag (its step size is --critic-lr's), so only its direction.
+(vapo.py's positive-example LM loss, --nll-coef: tests/test_vapo.py, through this file's run_one_step.)
 
 KL. The reference is the checkpoint; the policy starts from it perturbed (every weight times 1 + 0.05 N(0, 1), a
 fixed seed), so the KL is not 0 before the first update (with policy = reference it and its gradient are 0). Every
@@ -214,6 +215,7 @@ VALUE_CASES = {  # the ppo.py and sp3o.py critics at their published seq-mean (o
     "sp3o-anchors": ("sp3o", ["--critic-epochs", 1, "--critic-warmup", 0, "--aggregation", "seq-mean"], "anchors"),
     "tppo": ("tppo", WARMUP, "tppo"),
     "sppo": ("sppo", WARMUP + SPPO, "sppo"),
+    "vapo": ("vapo", WARMUP, "dense"),  # value-pretraining: token-mean, every response 20 tokens (= seq-mean here)
 }
 
 

@@ -17,8 +17,8 @@ import tokenize
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAINERS = ("grpo", "ppo", "sp3o", "tppo", "sppo", "spo")
-SOURCES = ("SP3O", "SPPO", "SPO", "TPPO", "verl", "DeepSeekMath", "DAPO")
+TRAINERS = ("grpo", "ppo", "sp3o", "tppo", "sppo", "spo", "vapo")
+SOURCES = ("SP3O", "SPPO", "SPO", "TPPO", "verl", "DeepSeekMath", "DAPO", "VAPO", "VC-PPO")
 _NAME = "|".join(sorted(map(re.escape, SOURCES), key=len, reverse=True))
 NAMES = rf"(?:{_NAME})(?:/(?:{_NAME}))*"
 LABEL = re.compile(rf"\((?P<names>{NAMES}): (?P<value>[^;)]+)[^)]*\)|\((?P<ours>ours)\b")

@@ -32,9 +32,11 @@ ALLOWED = {
 }
 NOT_HELPERS = {"main"}  # the loop itself: kept aligned by `diff`, not identical
 # The project's files and their parents, with the budget of changed lines (`diff parent.py file.py | grep -c '^[<>]'`;
-# None: spo vs grpo must not grow, reviewed by hand; sppo 120 -> 130 for its own held-out list, issue 46). ppo and
-# grpo are the two roots; any other trainer is a fork, whose parent is the project's file it differs from least.
-PARENTS = {"sp3o": ("ppo", 40), "tppo": ("ppo", 100), "sppo": ("ppo", 130), "spo": ("grpo", None)}
+# None: spo vs grpo must not grow, reviewed by hand; sppo 120 -> 130 and vapo 60 -> 65 for their own held-out lists,
+# issue 46). ppo and grpo are the two roots; any other trainer is a fork, whose parent is the project's file it
+# differs from least.
+PARENTS = {"sp3o": ("ppo", 40), "tppo": ("ppo", 100), "sppo": ("ppo", 130), "vapo": ("ppo", 65),
+           "spo": ("grpo", None)}
 ROOTS = ("ppo", "grpo")
 
 
@@ -154,16 +156,17 @@ def test_an_edited_helper_names_the_file_that_changed_and_the_fix(tmp_path):
     copy_trainers(tmp_path)
     edit(tmp_path / "ppo.py", "Generalized advantage estimation", "GAE")  # a docstring edited in place
     assert copy_mismatches(sources(tmp_path)) == [
-        "ppo.py's gae differs from sp3o.py's and tppo.py's: copy ppo.py's gae to sp3o.py and tppo.py, or list it in "
-        "ALLOWED"]
+        "ppo.py's gae differs from sp3o.py's, tppo.py's and vapo.py's: copy ppo.py's gae to sp3o.py, tppo.py and "
+        "vapo.py, or list it in ALLOWED"]
     edit(tmp_path / "sp3o.py", "def whiten(values, mask, eps=1e-8):", "def whiten(values, mask, eps=1e-6):")
     assert copy_mismatches(sources(tmp_path))[1] == (  # the one copy that differs is the one that changed
-        "sp3o.py's whiten differs from ppo.py's and tppo.py's: copy sp3o.py's whiten to ppo.py and tppo.py, or list "
-        "it in ALLOWED")
-    edit(tmp_path / "ppo.py", "Clipped value loss", "The clipped value loss")  # two copies: which one changed?
+        "sp3o.py's whiten differs from ppo.py's, tppo.py's and vapo.py's: copy sp3o.py's whiten to ppo.py, tppo.py "
+        "and vapo.py, or list it in ALLOWED")
+    edit(tmp_path / "ppo.py", "Clipped value loss", "The clipped value loss")  # one copy each: which one changed?
+    edit(tmp_path / "vapo.py", "Clipped value loss", "A clipped value loss")
     assert copy_mismatches(sources(tmp_path))[1] == (  # in the order of the functions' names
-        "value_loss differs between ppo.py and sp3o.py: copy the one you changed to the other, or list the changed "
-        "file's value_loss in ALLOWED")
+        "value_loss differs between ppo.py, sp3o.py and vapo.py: copy the one you changed to the others, or list the "
+        "changed file's value_loss in ALLOWED")
 
 
 def test_a_fork_is_checked_against_its_parent(tmp_path):
@@ -175,8 +178,8 @@ def test_a_fork_is_checked_against_its_parent(tmp_path):
     assert copy_mismatches(sources(tmp_path)) == [] and changed_lines(tmp_path, "ppo", "myppo") == 4  # a new helper
     edit(tmp_path / "ppo.py", "Generalized advantage estimation", "GAE")  # the parent's helper changes
     assert copy_mismatches(sources(tmp_path)) == [
-        "ppo.py's gae differs from myppo.py's, sp3o.py's and tppo.py's: copy ppo.py's gae to myppo.py, sp3o.py and "
-        "tppo.py, or list it in ALLOWED"]
+        "ppo.py's gae differs from myppo.py's, sp3o.py's, tppo.py's and vapo.py's: copy ppo.py's gae to myppo.py, "
+        "sp3o.py, tppo.py and vapo.py, or list it in ALLOWED"]
 
 
 def test_sppo_policy_loss_without_dual_clip_is_the_shared_one():
@@ -204,6 +207,8 @@ OWN_SETTINGS = {
     ("sppo", "samples_per_prompt"): "SPPO samples once per prompt (its critic is the baseline)",
     ("ppo", "critic_warmup"): "the released PPO trains its critic alone first (20 of 500 rollouts; 5 of 30 here)",
     ("sp3o", "critic_warmup"): "SP3O's released warm-up, as PPO's",
+    ("vapo", "critic_warmup"): "VAPO's value-pretraining (50 rollouts published), as long as PPO's warm-up here",
+    ("vapo", "clip_high"): "VAPO's clip-higher, 0.28",
 }
 
 
@@ -241,8 +246,8 @@ def test_the_tiny_presets_differ_only_in_each_methods_own_mechanism():
     # a knob set in one file's preset is found (TPPO's published top-p, SPO's own optimizer steps)
     planted = dict(settings, tppo=dict(settings["tppo"], top_p=0.95), spo=dict(settings["spo"], epochs=2))
     assert preset_differences(planted) == [
-        "epochs: ppo=1, grpo=1, sp3o=1, tppo=1, sppo=1, spo=2",
-        "top_p: ppo=1.0, grpo=1.0, sp3o=1.0, tppo=0.95, sppo=1.0, spo=1.0"]
+        "epochs: ppo=1, grpo=1, sp3o=1, tppo=1, sppo=1, vapo=1, spo=2",
+        "top_p: ppo=1.0, grpo=1.0, sp3o=1.0, tppo=0.95, sppo=1.0, vapo=1.0, spo=1.0"]
 
 
 def test_a_real_model_keeps_each_files_published_settings():
@@ -251,3 +256,5 @@ def test_a_real_model_keeps_each_files_published_settings():
     assert (real["spo"]["mini_batches"], real["spo"]["epochs"], real["spo"]["kl_coef"]) == (8, 2, 1e-4)
     assert (real["ppo"]["aggregation"], real["ppo"]["weight_decay"], real["tppo"]["lam_actor"]) == (
         "seq-mean", 0.1, 0.95)
+    assert (real["vapo"]["critic_warmup"], real["vapo"]["clip_high"], real["vapo"]["samples_per_prompt"]) == (
+        50, 0.28, 16)

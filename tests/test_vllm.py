@@ -649,7 +649,7 @@ SMOLLM2_RUN = ["--model", "smollm2-135m-instruct", "--dataset", "builtin:1", "--
                "--max-response-tokens", "96", "--eval-datasets", "builtin", "--eval-every", "0", "--eval-problems", "4",
                "--eval-n", "1", "--eval-temperature", "0", "--eval-max-tokens", "96", "--save-every", "0",
                "--micro-batch-tokens", "4096", "--lr", "1e-6"]
-SLOW_ON_SMOLLM2 = {"ppo", "sppo", "sp3o", "tppo", "spo"}  # grpo runs in CI; the others take `-m slow`
+SLOW_ON_SMOLLM2 = {"ppo", "sppo", "sp3o", "tppo", "spo", "vapo"}  # grpo runs in CI; the others take `-m slow`
 
 
 @real_engine
