@@ -32,7 +32,7 @@ class Args(infra.cli.RunArgs):
     """VAPO's knobs: its §5.1, else ppo.py's. (NAME: value) names a source (docs/methods.md has the table)."""
     dataset: str = "zhuzilin/dapo-math-17k"  # training set (SP3O: zhuzilin/dapo-math-17k; slime's DAPO-Math-17k)
     answer_format: Literal["auto", "boxed", "answer-line"] = "boxed"  # reward (SP3O/SPPO: boxed; the last \boxed{})
-    eval_datasets: tuple[str, ...] = ("HuggingFaceH4/aime_2024",)  # held-out sets (VAPO: AIME 2024, avg@32)
+    eval_datasets: tuple[str, ...] = ("HuggingFaceH4/aime_2024",)  # held-out sets (VAPO: "HuggingFaceH4/aime_2024",)
     prompts_per_step: int = 512  # prompts per rollout (VAPO: 512)
     samples_per_prompt: int = 16  # G, samples per prompt: group sampling (VAPO: 16)
     critic_model: str = ""  # critic backbone (default: the policy's base model; a smaller one works too)
