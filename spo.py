@@ -81,6 +81,8 @@ class Args(infra.cli.RunArgs):
 # (about 2.9 with p < 0.9 per response at temperature 1, step 0), so the published interval 5 cuts before the first
 # of them, as interval 1 would mostly do; K = 4; tree: 3 x 3 x 3 of 12 tokens.
 TINY_PRESET = dict(mc_samples=4, tree_branching=3, tree_segment_tokens=12)  # the demo: infra.cli.CONTROLLED_TINY_PRESET
+# --preset smollm2: infra.cli.CONTROLLED_SMOLLM2_PRESET, then the method's own (docs/real_model.md).
+SMOLLM2_PRESET = dict(mc_samples=4, tree_branching=3, tree_segment_tokens=12)  # the demo's
 MAX_LOG_RATIO = 10.0  # log-ratios are clamped to +-this before exp, in the policy loss and the KL (SPO's code: 10)
 
 
@@ -334,7 +336,7 @@ def check_args(args):
 
 
 def main():
-    args = infra.cli.parse_args(Args, TINY_PRESET)
+    args = infra.cli.parse_args(Args, TINY_PRESET, smollm2_preset=SMOLLM2_PRESET)
     check_args(args)
     run = infra.run.Run(args, __file__)  # device, run folder, data: bad input fails here, before any model loads
     policy, tokenizer = common.load_model(args.model, args.dtype, run.device, args.trust_remote_code,

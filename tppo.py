@@ -75,6 +75,8 @@ class Args(infra.cli.RunArgs):
 # The CPU demo: the settings shared by the six files (infra.cli.CONTROLLED_TINY_PRESET: rollouts of 512 samples,
 # lr 3e-5, 2 optimizer steps per rollout, ...), then the method's own, below.
 TINY_PRESET = dict()  # the demo: infra.cli.CONTROLLED_TINY_PRESET (nothing of TPPO's own)
+# --preset smollm2: infra.cli.CONTROLLED_SMOLLM2_PRESET, then the method's own (docs/real_model.md).
+SMOLLM2_PRESET = dict()  # nothing of TPPO's own
 MAX_LOG_RATIO = 20.0  # log-ratios are clamped to +-this before exp, in the policy loss and the KL (verl: 20)
 
 
@@ -185,7 +187,7 @@ def check_args(args):
 
 
 def main():
-    args = infra.cli.parse_args(Args, TINY_PRESET)
+    args = infra.cli.parse_args(Args, TINY_PRESET, smollm2_preset=SMOLLM2_PRESET)
     check_args(args)
     run = infra.run.Run(args, __file__)  # device, run folder, data: bad input fails here, before any model loads
     policy, tokenizer = common.load_model(args.model, args.dtype, run.device, args.trust_remote_code,

@@ -29,6 +29,9 @@ from infra.tiny import is_tiny_model
 class RunArgs:
     """Flags of every trainer: what to train and evaluate on, where the run goes, how it runs."""
     model: str = "tiny"  # policy: `tiny` (built-in CPU demo), a hub name (Qwen3-4B-Base) or a local path
+    # settings preset: auto (the tiny model: the CPU demo's controlled preset; else each file's defaults, as labelled)
+    # or smollm2 (the controlled comparison on SmolLM2-135M-Instruct on CPU, docs/real_model.md); flags override it
+    preset: Literal["auto", "smollm2"] = "auto"
     # training problems: `builtin` (6-digit additions; `builtin:N`, N digits; `builtin:A-B`, A to B digits;
     # `builtin:early`, one carry, after the units column; `builtin:words`, word problems for a real chat model), a
     # .jsonl/.json/.parquet file or a hub id (org/name, org/name:config)
@@ -137,6 +140,18 @@ CONTROLLED_TINY_PRESET = dict(prompts_per_step=64, samples_per_prompt=8, tempera
 DATA_FIELDS = ("answer_format", "eval_datasets")  # a method file's published choices that go with its --dataset
 
 
+# `--preset smollm2`: the controlled comparison on a real model on CPU (docs/real_model.md). The tiny preset's
+# shared settings except the sizes: 8 prompts x 8 samples of at most 64 tokens, lr 2e-5, 12 steps; held-out avg@2 of
+# 64 problems at temperature 1 every 4 steps; every critic (a value head on the policy's pretrained backbone) at lr
+# 5e-5 (provisional: benchmarks/critic_fit.py chooses it) with 1 pass per rollout (published: 1). The method's own
+# settings: each file's SMOLLM2_PRESET (tests/test_skeleton.py fails on any other difference).
+RUN_SMOLLM2_PRESET = dict(model="smollm2-135m-instruct", dataset="builtin:words", answer_format="auto", steps=12,
+                          max_response_tokens=64, micro_batch_tokens=2048, gradient_checkpointing=False, eval_datasets=("builtin",),
+                          eval_every=4, eval_problems=64, eval_n=2, eval_temperature=1.0, eval_top_p=1.0,
+                          eval_max_tokens=64, save_every=0)
+CONTROLLED_SMOLLM2_PRESET = dict(CONTROLLED_TINY_PRESET, prompts_per_step=8, lr=2e-5, critic_lr=5e-5, critic_epochs=1)
+
+
 def _flag_value(argv, flag):
     """The value of `flag` in argv (`--flag value` or `--flag=value`), None when absent."""
     value = next((argv[i + 1] for i in range(len(argv) - 1) if argv[i] == flag), None)
@@ -227,12 +242,13 @@ def _method_name(args_class):
     return os.path.splitext(os.path.basename(getattr(module, "__file__", None) or "method"))[0]
 
 
-def parse_args(args_class, tiny_preset=None, argv=None):
+def parse_args(args_class, tiny_preset=None, argv=None, smollm2_preset=None):
     """The command line of a trainer: flags from the dataclass's fields, help from their comments (tyro), in two
-    groups: the method's knobs, then the run flags (RunArgs). Fields the user did not set take the tiny preset when
-    --model is the built-in model (or a checkpoint of it), else the dataclass defaults (the real-model settings);
-    --help shows the values in effect for the model given. With --resume they take the run's saved settings, and
-    only RESUME_MAY_CHANGE may differ (each change printed)."""
+    groups: the method's knobs, then the run flags (RunArgs). Fields the user did not set take the SmolLM2 preset
+    with --preset smollm2 (its shared part, then the file's own `smollm2_preset`), the tiny preset when --model is the
+    built-in model (or a checkpoint of it), else the dataclass defaults (the real-model settings); --help shows the
+    values in effect for the model and preset given. With --resume they take the run's saved settings, and only
+    RESUME_MAY_CHANGE may differ (each change printed)."""
     import tyro
     argv = sys.argv[1:] if argv is None else list(argv)
     names = {field.name for field in dataclasses.fields(args_class)}
@@ -247,10 +263,15 @@ def parse_args(args_class, tiny_preset=None, argv=None):
         defaults = args_class(**saved)
         description = f"Defaults shown: the saved settings of {point[0]}."
     else:
-        model = _flag_value(argv, "--model") or getattr(args_class, "model", "")
-        preset = {**RUN_TINY_PRESET, **CONTROLLED_TINY_PRESET, **(tiny_preset or {})} if is_tiny_model(model) else {}
+        smollm2 = _flag_value(argv, "--preset") == "smollm2"
+        model = _flag_value(argv, "--model") or (RUN_SMOLLM2_PRESET["model"] if smollm2 else
+                                                 getattr(args_class, "model", ""))
+        preset = {**RUN_SMOLLM2_PRESET, **CONTROLLED_SMOLLM2_PRESET, **(smollm2_preset or {})} if smollm2 else \
+            {**RUN_TINY_PRESET, **CONTROLLED_TINY_PRESET, **(tiny_preset or {})} if is_tiny_model(model) else {}
         defaults = args_class(**{name: value for name, value in preset.items() if name in names})
         description = None if not hasattr(args_class, "model") else (
+            f"Defaults shown: the controlled SmolLM2 comparison's preset (--preset smollm2, --model {model})."
+            if smollm2 else
             f"Defaults shown: the built-in CPU demo's preset (--model {model}); a real model gets its own."
             if preset else f"Defaults shown: the real-model settings, each labelled with its source (--model {model}).")
     run_names = {field.name for field in dataclasses.fields(RunArgs)}

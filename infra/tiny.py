@@ -125,12 +125,65 @@ def word_problem(rng, split):
             return {"question": messages, "answer": str(answer)}
 
 
+# `builtin:words2` and `builtin:words3`: the same people and things, a count changed by 2 or 3 events in turn (each a
+# gift received or given away, drawn at random), so the operations must be chosen in order and one wrong step dooms
+# the answer; asked after two worked examples with as many steps, one adding first, one subtracting first (one example:
+# 3% right at temperature 1; two: 7%; docs/real_model.md has the step-0 search).
+WORD_CHAIN_EXAMPLES = {
+    2: [("Lily has 3 books. Ben gives Lily 6 more books. Then Lily gives 4 of them to Mia. How many books does Lily "
+         "have now?", "Lily has 3 + 6 = 9 books. Then 9 - 4 = 5 books. The answer is \\boxed{5}."),
+        ("Tom has 8 cards. Tom gives 5 of them to Anna. Then Sam gives Tom 4 more cards. How many cards does Tom "
+         "have now?", "Tom has 8 - 5 = 3 cards. Then 3 + 4 = 7 cards. The answer is \\boxed{7}.")],
+    3: [("Lily has 3 books. Ben gives Lily 6 more books. Then Lily gives 4 of them to Mia. Then Sam gives Lily 2 more "
+         "books. How many books does Lily have now?",
+         "Lily has 3 + 6 = 9 books. Then 9 - 4 = 5 books. Then 5 + 2 = 7 books. The answer is \\boxed{7}."),
+        ("Tom has 8 cards. Tom gives 5 of them to Anna. Then Sam gives Tom 4 more cards. Then Tom gives 2 of them to "
+         "Leo. How many cards does Tom have now?",
+         "Tom has 8 - 5 = 3 cards. Then 3 + 4 = 7 cards. Then 7 - 2 = 5 cards. The answer is \\boxed{5}.")],
+}
+
+
+def chain_story(rng, operations, largest=9, then=True):
+    """(question, answer): a start count (2 to `largest`), then `operations` events in turn, each with probability
+    1/2 a gift received (+ 2 to `largest`) or given away (- 1 to count - 1: every count stays >= 1; a count of 1 only
+    receives), the later ones after "Then" (`then`); the question asks for the count at the end."""
+    name, *others = rng.sample(WORD_NAMES, 1 + operations)
+    thing = rng.choice(WORD_THINGS)
+    count = rng.randint(2, largest)
+    sentences = [f"{name} has {count} {thing}."]
+    for index, other in enumerate(others):
+        if count < 2 or rng.random() < 0.5:
+            change = rng.randint(2, largest)
+            event = f"{other} gives {name} {change} more {thing}."
+        else:
+            change = -rng.randint(1, count - 1)
+            event = f"{name} gives {-change} of them to {other}."
+        count += change
+        sentences.append(f"Then {event}" if then and index else event)
+    return " ".join(sentences) + f" How many {thing} does {name} have now?", count
+
+
+def chain_word_problem(rng, split, operations):
+    """A `builtin:words2` (operations=2) or `builtin:words3` row: the two worked examples of as many steps, then the
+    problem (chain_story). Held out as word_problem is: about 1 problem in 8, by a hash of its text."""
+    while True:
+        question, answer = chain_story(rng, operations)
+        if (zlib.crc32(question.encode()) % 8 == 0) == (split == "test"):
+            shots = [message for example, solution in WORD_CHAIN_EXAMPLES[operations] for message in (
+                {"role": "user", "content": f"{example} {WORD_INSTRUCTION}"}, {"role": "assistant", "content": solution})]
+            return {"question": [*shots, {"role": "user", "content": f"{question} {WORD_INSTRUCTION}"}],
+                    "answer": str(answer)}
+
+
 def builtin_rows(split, n, seed, digits=DIGITS):
     """n problems of `digits` digits, or of (low, high): each problem's digits drawn uniformly from low..high, or
-    with digits "early" the early_problem task, "words" the word_problem task."""
+    with digits "early" the early_problem task, "words" the word_problem task, "words2"/"words3" chain_word_problem."""
     if digits == "words":
         rng = random.Random(f"{split}-{seed}-words")
         return [word_problem(rng, split) for _ in range(n)]
+    if digits in ("words2", "words3"):
+        rng = random.Random(f"{split}-{seed}-{digits}")
+        return [chain_word_problem(rng, split, int(digits[-1])) for _ in range(n)]
     if digits == "early":
         rng = random.Random(f"{split}-{seed}-early")
         return [early_problem(rng, split) for _ in range(n)]

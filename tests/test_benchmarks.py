@@ -98,3 +98,46 @@ def test_variants_reads_finished_runs_only(tmp_path):
     with open(tmp_path / "metrics.jsonl", "a") as handle:
         handle.write(json.dumps({"step": 2}) + "\n")
     assert [r["step"] for r in variants.finished(str(tmp_path))] == [0, 1, 2]
+
+
+def test_demo_table_welch_test_against_the_t_table(monkeypatch):
+    """Two-sided p of Student's t at the t table's critical values, and Welch's t and df by hand: [1, 2, 3] against
+    [4, 5, 6] has t = -3 / sqrt(2/3) = -3.674 on 4 degrees of freedom (p 0.0213)."""
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    import demo_table
+    for t, df, p in ((12.706, 1, 0.05), (4.303, 2, 0.05), (2.776, 4, 0.05), (3.169, 10, 0.01), (1.96, 1e6, 0.05),
+                     (0.0, 5, 1.0), (1.0, 3, 0.391)):
+        assert abs(demo_table.student_t_two_sided_p(t, df) - p) < 5e-4, (t, df)
+    t, df, p = demo_table.welch([1, 2, 3], [4, 5, 6])
+    assert abs(t + 3 / (2 / 3) ** 0.5) < 1e-9 and abs(df - 4) < 1e-9 and abs(p - 0.0213) < 1e-4
+    assert demo_table.welch_differs([1, 2, 3], [4, 5, 6]) and not demo_table.welch_differs([1, 2, 3], [2, 3, 4])
+    # evaluations at the start of steps 0, 4 and 8 and after the last (step 11's) update: 0, 4, 8 and 12 updates
+    records = [dict(step=step) for step in range(12)]
+    for step, accuracy in ((0, 0.1), (4, 0.3), (8, 0.5), (11, 0.6)):
+        records[step]["eval/accuracy"] = accuracy
+    assert demo_table.summarize(records)["at_updates"] == {0: 0.1, 4: 0.3, 8: 0.5, 12: 0.6}
+
+
+def test_demo_table_keeps_each_runs_records_and_tabulates_from_them_alone(tmp_path):
+    """A run's records (metrics, config, the command, its CPU time) are kept as it finishes, and --from-results
+    prints the same table from them after the run folders are gone."""
+    tiny = ["--methods", "grpo", "--seeds", "0", "--steps", "1", "--prompts-per-step", "4", "--samples-per-prompt", "2",
+            "--eval-problems", "4", "--dataset", "builtin:3", "--records", str(tmp_path / "records")]
+    ran = run_script("benchmarks/demo_table.py", *tiny, "--output-dir", str(tmp_path / "runs"))
+    kept = tmp_path / "records" / "grpo_s0"
+    assert sorted(os.listdir(kept)) == ["command.txt", "config.json", "metrics.jsonl", "resources.json"]
+    assert kept.joinpath("command.txt").read_text().startswith("OMP_NUM_THREADS=1 python grpo.py --seed 0 ")
+    resources = json.loads(kept.joinpath("resources.json").read_text())
+    assert 0 < resources["cpu_s"] and 0 < resources["wall_s"]
+    import shutil
+    shutil.rmtree(tmp_path / "runs")
+    again = run_script("benchmarks/demo_table.py", *tiny, "--from-results", "--output-dir", str(tmp_path / "none"))
+    row = lambda text: next(line for line in text.splitlines() if line.startswith("| grpo |"))  # noqa: E731
+    assert row(ran) == row(again) and (tmp_path / "records" / "curves.png").exists()
+    # the same command again runs nothing (the run is kept); with other flags it refuses to mix the two
+    resumed = run_script("benchmarks/demo_table.py", *tiny, "--output-dir", str(tmp_path / "runs"))
+    assert "grpo seed 0: kept in" in resumed and row(resumed) == row(ran)
+    assert not (tmp_path / "runs" / "demo_grpo_s0").exists()
+    other = subprocess.run([sys.executable, "benchmarks/demo_table.py", *tiny, "--lr", "1e-4"], cwd=REPO,
+                           capture_output=True, text=True)
+    assert other.returncode == 1 and "was kept from a run with other flags" in other.stderr

@@ -211,11 +211,13 @@ def test_help_shows_the_methods_knobs_first_then_the_run_flags_with_one_default_
 
 def test_help_shows_the_values_in_effect_and_each_fields_whole_comment(capsys):
     import ppo
-    for argv, lr in (([], "3e-05"), (["--model", "Qwen3-4B-Base"], "1e-06")):
+    for argv, lr, warmup in (([], "3e-05", 5), (["--model", "Qwen3-4B-Base"], "1e-06", 20), (["--preset", "smollm2"],
+                             "2e-05", 2), (["--preset=smollm2", "--model", "tiny"], "2e-05", 2)):
         with pytest.raises(SystemExit):
-            infra.cli.parse_args(ppo.Args, ppo.TINY_PRESET, [*argv, "--help"])
-        flat = " ".join(line.strip("│ ") for line in capsys.readouterr().out.splitlines())
-        assert f"policy learning rate (SP3O/TPPO/SPPO: 1e-6) (default: {lr})" in " ".join(flat.split())
+            infra.cli.parse_args(ppo.Args, ppo.TINY_PRESET, [*argv, "--help"], smollm2_preset=ppo.SMOLLM2_PRESET)
+        flat = " ".join(" ".join(line.strip("│ ") for line in capsys.readouterr().out.splitlines()).split())
+        assert f"policy learning rate (SP3O/TPPO/SPPO: 1e-6) (default: {lr})" in flat
+        assert f"the actor waits (SP3O: 20; verl: 0) (default: {warmup})" in flat
     assert infra.cli.field_help(ppo.Args, "aggregation").startswith("actor and critic loss (SP3O: seq-mean;")
 
 

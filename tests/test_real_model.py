@@ -10,6 +10,7 @@ import math
 import os
 import re
 import sys
+import zlib
 
 import pytest
 import torch
@@ -43,6 +44,52 @@ def test_the_word_problems_answers_and_held_out_split():
         adds += bool(more)
     assert 0.45 < adds / len(train + test) < 0.55
     assert not {r["question"][2]["content"] for r in test} & {r["question"][2]["content"] for r in train}
+
+
+@pytest.mark.parametrize("operations", [2, 3])
+def test_the_chained_word_problems_answers_and_held_out_split(operations):
+    """`builtin:words2` and `builtin:words3` (infra.tiny.chain_word_problem): the gold answer is the story's count
+    read back from its text event by event (a gift received adds, a gift given away subtracts), every count along
+    the way is at least 1, both kinds of event come first and later, about 1 problem in 8 is held out and none is a
+    training question, and the two worked examples have as many steps as the problem, one adding first, one
+    subtracting first."""
+    spec = f"builtin:words{operations}"
+    train = infra.data.load_rows(spec, "train", n_builtin=2000)
+    test = infra.data.load_eval_sets("builtin", 300, train_spec=spec)[spec]
+    event = r"(?:(?P<giver>\w+) gives (?P<name>\w+) (?P<more>\d+) more (?P<thing>\w+)\.|(?P<taker>\w+) gives " \
+            r"(?P<less>\d+) of them to \w+\.)"
+    kinds = set()
+    for row in train + test:
+        *shots, question = row["question"]
+        assert [m["role"] for m in shots] == ["user", "assistant"] * 2 and question["role"] == "user"
+        for example, worked, sign in zip(shots[::2], shots[1::2], " +-"[1:]):
+            assert worked["content"].count(" = ") == operations and worked["content"].count("Then ") == operations - 1
+            assert example["content"].count("Then ") == operations - 1 and re.match(rf"\w+ has \d \{sign}",
+                                                                                     worked["content"])
+        text = question["content"]
+        start = re.match(r"(\w+) has (\d+) (\w+)\. ", text)
+        name, count, thing = start[1], int(start[2]), start[3]
+        sentences = [s + "." for s in text[start.end():].split(" How many")[0].rstrip(".").split(". ")]
+        assert len(sentences) == operations and all(s.startswith("Then ") == (i > 0) for i, s in enumerate(sentences))
+        for index, sentence in enumerate(sentences):
+            match = re.fullmatch(event, sentence.removeprefix("Then "))
+            assert match, sentence
+            if match["more"]:
+                assert (match["name"], match["thing"]) == (name, thing) and match["giver"] != name
+                count += int(match["more"])
+            else:
+                assert match["taker"] == name
+                count -= int(match["less"])
+            assert count >= 1, text
+            kinds.add((index > 0, bool(match["more"])))
+        assert text.endswith(f"How many {thing} does {name} have now? Put your final answer within \\boxed{{}}.")
+        assert row["answer"] == str(count) and row["answer_format"] == "boxed", row
+    assert kinds == {(False, True), (False, False), (True, True), (True, False)}
+    questions = [r["question"][-1]["content"] for r in train]
+    assert not {r["question"][-1]["content"] for r in test} & set(questions)
+    story = lambda row: row["question"][-1]["content"].removesuffix(" Put your final answer within \\boxed{}.")  # noqa
+    assert all(zlib.crc32(story(r).encode()) % 8 != 0 for r in train)  # held out: the hash of the story's text
+    assert all(zlib.crc32(story(r).encode()) % 8 == 0 for r in test)
 
 
 @pytest.fixture(scope="module")
@@ -131,3 +178,34 @@ def test_every_trainer_runs_two_steps_on_smollm2(trainer, smollm2_path, tmp_path
         assert 0 < record["response_length"] <= 48 and record["logprob_gap_max"] < -math.log(top_p) + 1e-3, record
     assert "eval/builtin:1/avg@1" in steps[0] and "eval/builtin:1/avg@1" in steps[1], steps[0]
     assert re.search(r"step +1 ", stdout) or "step 1" in stdout
+
+
+# `--preset smollm2` (docs/real_model.md), 2 steps of each trainer on each task: the preset as it is but --steps 2
+# and 8 held-out problems per evaluation instead of 64 (the evaluation's cost, not its kind).
+PRESET_TASKS = ("builtin:words", "builtin:words2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", PRESET_TASKS)
+@pytest.mark.parametrize("trainer", list(QWEN_LIKE_TRAINERS))
+def test_every_trainer_runs_two_steps_of_the_smollm2_preset(trainer, task, smollm2_path, tmp_path, monkeypatch,
+                                                            capsys):
+    module = importlib.import_module(trainer)
+    monkeypatch.setattr(sys, "argv", [f"{trainer}.py", "--preset", "smollm2", "--dataset", task, "--steps", "2",
+                                      "--eval-problems", "8", "--output-dir", str(tmp_path), "--run-name", "run"])
+    module.main()
+    stdout = capsys.readouterr().out
+    assert "rollouts stop at <|im_end|> (2)" in stdout.splitlines(), stdout[-2000:]
+    config = json.load(open(tmp_path / "run" / "config.json"))
+    assert (config["model"], config["preset"], config["lr"], config["temperature"], config["top_p"],
+            config["max_response_tokens"], config["prompts_per_step"] * config["samples_per_prompt"]) == (
+        "smollm2-135m-instruct", "smollm2", 2e-5, 1.0, 1.0, 64, 64)
+    steps = records(tmp_path / "run")
+    assert sorted(steps) == [0, 1]
+    for record in steps.values():
+        assert all(math.isfinite(value) for value in record.values() if isinstance(value, float)), record
+        assert 0 < record["response_length"] <= 64, record
+    name = f"eval/{task}/avg@2"  # held-out avg@2 at temperature 1, before the first update and after the last
+    assert 0 <= steps[0][name] <= 1 and 0 <= steps[1][name] <= 1, steps[0]
+    if "critic_lr" in config:  # a value head on the policy's backbone, fitted from the first rollout
+        assert math.isfinite(steps[1]["explained_variance"]) and config["critic_model"] == ""
