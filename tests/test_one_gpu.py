@@ -72,11 +72,11 @@ def one_gpu_commands():
 
 
 def test_the_docs_one_gpu_commands_fit_one_80_gb_gpu(qwen3_4b_offline, monkeypatch):
-    """Each of the 12 commands (6 methods, vLLM and the HF engine) exits 0 with --plan-only on one 80 GiB GPU, its
+    """Each of the 14 commands (7 methods, vLLM and the HF engine) exits 0 with --plan-only on one 80 GiB GPU, its
     GPU peak within what CUDA reports for an "80 GB" H100, and the docs' table holds the plan's figures."""
     commands = one_gpu_commands()
     assert sorted({argv[0] for argv, _ in commands}) == ["grpo.py", "ppo.py", "sp3o.py", "spo.py", "sppo.py",
-                                                         "tppo.py"] and len(commands) == 12
+                                                         "tppo.py", "vapo.py"] and len(commands) == 14
     table = {}
     for row in one_gpu_section().splitlines():
         cells = [cell.strip(" `") for cell in row.strip("|").split("|")]
@@ -89,7 +89,7 @@ def test_the_docs_one_gpu_commands_fit_one_80_gb_gpu(qwen3_4b_offline, monkeypat
         assert fits, lines[-1]
         gpu, host = map(float, fits.groups())
         assert gpu <= memory.CUDA_80GB_GIB
-        assert "prompts: 1,024 tokens (assumed: the data was not read)" in "\n".join(lines)  # no dapo-math-17k.jsonl
+        assert "prompts: 1,024 tokens (assumed: the data was not read)" in "\n".join(lines)  # --plan-only reads no data
         column = 0 if engine == "vllm" else 2
         assert table[argv[0]][column:column + 2] == [f"{gpu:.1f}", f"{host:.1f}"], (argv, engine)
 

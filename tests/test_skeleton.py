@@ -284,7 +284,7 @@ def test_the_smollm2_presets_differ_only_in_each_methods_own_mechanism():
                                                             smollm2_preset=dict(critic_lr=1e-5))))
     assert preset_differences(planted) == [
         f"critic_lr: ppo={critics['ppo']['critic_lr']}, sp3o={critics['sp3o']['critic_lr']}, tppo=1e-05, "
-        f"sppo={critics['sppo']['critic_lr']}"]
+        f"sppo={critics['sppo']['critic_lr']}, vapo={critics['vapo']['critic_lr']}"]
 
 
 def test_a_real_model_keeps_each_files_published_settings():
