@@ -208,8 +208,8 @@ def main():
         for variant in args.variants:
             result = results[mode, variant] = run_variant(args, variant, mode)
             name = {"whole": "whole logits (before)", "sliced": "sliced head (common.response_logprobs)"}[variant]
-            print(f"| {mode} | {name} | {result['extra_bytes'] / GIB:.2f} | {result['extra_bytes'] / GIB / logits_gib:.2f}"
-                  f" | {result['seconds']:.2f} |")
+            extra = result['extra_bytes'] / GIB
+            print(f"| {mode} | {name} | {extra:.2f} | {extra / logits_gib:.2f} | {result['seconds']:.2f} |")
     print(f"\nload average after: {os.getloadavg()[0]:.2f}")
     if ("forward+backward", "sliced") in results:
         extra = results["forward+backward", "sliced"]["extra_bytes"] / GIB

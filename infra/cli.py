@@ -143,13 +143,13 @@ DATA_FIELDS = ("answer_format", "eval_datasets")  # a method file's published ch
 # `--preset smollm2`: the controlled comparison on a real model on CPU (docs/real_model.md). The tiny preset's
 # shared settings except the sizes: 8 prompts x 8 samples of at most 64 tokens, lr 2e-5, 12 steps; held-out avg@2 of
 # 64 problems at temperature 1 every 4 steps; every critic (a value head on the policy's pretrained backbone) at lr
-# 5e-5 (provisional: benchmarks/critic_fit.py chooses it) with 1 pass per rollout (published: 1). The method's own
-# settings: each file's SMOLLM2_PRESET (tests/test_skeleton.py fails on any other difference).
+# 2e-4 (benchmarks/critic_fit.py's rule chose it, docs/real_model.md), 1 pass per rollout (published: 1). The method's
+# own settings: each file's SMOLLM2_PRESET (tests/test_skeleton.py fails on any other difference).
 RUN_SMOLLM2_PRESET = dict(model="smollm2-135m-instruct", dataset="builtin:words", answer_format="auto", steps=12,
-                          max_response_tokens=64, micro_batch_tokens=2048, gradient_checkpointing=False, eval_datasets=("builtin",),
-                          eval_every=4, eval_problems=64, eval_n=2, eval_temperature=1.0, eval_top_p=1.0,
-                          eval_max_tokens=64, save_every=0)
-CONTROLLED_SMOLLM2_PRESET = dict(CONTROLLED_TINY_PRESET, prompts_per_step=8, lr=2e-5, critic_lr=5e-5, critic_epochs=1)
+                          max_response_tokens=64, micro_batch_tokens=2048, gradient_checkpointing=False,
+                          eval_datasets=("builtin",), eval_every=4, eval_problems=64, eval_n=2, eval_temperature=1.0,
+                          eval_top_p=1.0, eval_max_tokens=64, save_every=0)
+CONTROLLED_SMOLLM2_PRESET = dict(CONTROLLED_TINY_PRESET, prompts_per_step=8, lr=2e-5, critic_lr=2e-4, critic_epochs=1)
 
 
 def _flag_value(argv, flag):

@@ -170,7 +170,8 @@ def chain_word_problem(rng, split, operations):
         question, answer = chain_story(rng, operations)
         if (zlib.crc32(question.encode()) % 8 == 0) == (split == "test"):
             shots = [message for example, solution in WORD_CHAIN_EXAMPLES[operations] for message in (
-                {"role": "user", "content": f"{example} {WORD_INSTRUCTION}"}, {"role": "assistant", "content": solution})]
+                {"role": "user", "content": f"{example} {WORD_INSTRUCTION}"},
+                {"role": "assistant", "content": solution})]
             return {"question": [*shots, {"role": "user", "content": f"{question} {WORD_INSTRUCTION}"}],
                     "answer": str(answer)}
 
