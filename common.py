@@ -105,9 +105,7 @@ def response_forward(model, batch, hidden=False):
         prompts, rows = torch.cat([batch.input_ids[:, prefix], batch.attention_mask[:, prefix]], 1).unique(
             dim=0, return_inverse=True) if prompt_width > 1 else (batch.input_ids, None)
         keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-        cache_name, cache = cache_argument(model), DynamicCache(config=model.config)  # (a value head has no
-        dtype = getattr(model, "compute_dtype", torch.float32)  # logits_to_keep: it keeps every column)
-        autocast = torch.autocast(batch.input_ids.device.type, dtype=dtype, enabled=dtype != torch.float32)
+        cache_name = cache_argument(model)  # (a value head has no logits_to_keep: it keeps every column)
         shared = not (dist.sharded() or cache_name is None or prompt_width < 2 or any(
             getattr(module, "gradient_checkpointing", False) for module in model.modules()))
         if not shared or len(prompts) == len(batch.input_ids) and not common_prefix_length(
@@ -116,9 +114,11 @@ def response_forward(model, batch, hidden=False):
             if outputs.logits.shape[1] > batch.response_width + 1:  # a value head's; a no-op slice's backward fills 0
                 outputs.logits = outputs.logits[:, -batch.response_width - 1:]
             return outputs
-        inputs = batch.model_inputs()
-        with autocast:  # one region, so each weight is cast once (autocast's cache): the distinct prompts' common
-            # head (a system turn, an example) read once, then each prompt's rest once, indexed out to its rows
+        inputs, cache = batch.model_inputs(), DynamicCache(config=model.config)
+        dtype = getattr(model, "compute_dtype", torch.float32)
+        # One autocast region, so each weight is cast once (autocast's cache): the distinct prompts' common head (a
+        # system turn, an example) read once, then each prompt's rest once, indexed out to its rows.
+        with torch.autocast(batch.input_ids.device.type, dtype=dtype, enabled=dtype != torch.float32):
             ids, mask = read_common_prefix(model, prompts[:, :prompt_width - 1], prompts[:, prompt_width - 1:], cache)
             positions = (mask.cumsum(1) - 1).clamp(min=0)[:, -ids.shape[1]:]
             model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{cache_name: cache},
