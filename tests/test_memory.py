@@ -483,9 +483,9 @@ def test_scaling_table_rows():
     """At the defaults (16,384-token micro-batches, vLLM's share auto: its KV cache must hold 1/8 of the rank's 512
     sequences) every method but VAPO fits Qwen3-4B and Qwen3-8B on 8 "80 GB" GPUs (79.11 GiB to CUDA) or fewer; the
     second setting is the defaults before issue 39 (8 sequences, vLLM at 0.3). SP3O on Qwen3-4B over 2 ranks: the
-    trainer keeps 12 bytes x 8,044,938,753 / 2 + 1 GiB in the rollout, which leaves vLLM 0.36 of the GPU: 28.5 GiB less its
-    7.5 GiB of weights and 2 GiB = 19.0 GiB of KV cache, 15 sequences of 9,216 tokens (1.27 GiB each), fewer than
-    256 / 8 = 32."""
+    trainer keeps 12 bytes x 8,044,938,753 / 2 + 1 GiB in the rollout, which leaves vLLM 0.36 of the GPU: 28.5 GiB
+    less its 7.5 GiB of weights and 2 GiB = 19.0 GiB of KV cache, 15 sequences of 9,216 tokens (1.27 GiB each), fewer
+    than 256 / 8 = 32."""
     table = memory.scaling_table()
     assert "| `sp3o.py` | Qwen3-4B | 4 | 2 (62 GiB) | 4 | 1 (124 GiB) |" in table
     assert "| `grpo.py` | Qwen3-8B | 4 | 2 (64 GiB) | 8 | 1 (128 GiB) |" in table
