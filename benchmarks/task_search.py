@@ -35,12 +35,12 @@ ADD_ADD = ("Mia has 2 shells. Leo gives Mia 5 more shells. Then Ben gives Mia 3 
            "have now?", "Mia has 2 + 5 = 7 shells. Then 7 + 3 = 10 shells. The answer is \\boxed{10}.")
 
 
-def chain_variant(operations, examples, then=True, largest=9):
-    """A variant of the chained word problems (infra.tiny.chain_story's story and gold answer) after other worked
-    examples (one chat turn each), or without "Then" before each later event, or with other number ranges."""
+def few_shot_variant(story, examples):
+    """Problems from story(rng) -> (question, answer), each after the worked examples (one chat turn each), held out
+    as builtin:words is: about 1 problem in 8, by a hash of its text."""
     def make(rng, split):
         while True:
-            question, answer = chain_story(rng, operations, largest, then)
+            question, answer = story(rng)
             if (zlib.crc32(question.encode()) % 8 == 0) == (split == "test"):
                 shots = [turn for example, solution in examples for turn in (
                     {"role": "user", "content": f"{example} {WORD_INSTRUCTION}"},
@@ -48,6 +48,12 @@ def chain_variant(operations, examples, then=True, largest=9):
                 return {"question": [*shots, {"role": "user", "content": f"{question} {WORD_INSTRUCTION}"}],
                         "answer": str(answer), "answer_format": "boxed"}
     return make
+
+
+def chain_variant(operations, examples, then=True, largest=9):
+    """A variant of the chained word problems (infra.tiny.chain_story's story and gold answer) after other worked
+    examples (one chat turn each), or without "Then" before each later event, or with other number ranges."""
+    return few_shot_variant(lambda rng: chain_story(rng, operations, largest, then), examples)
 
 
 SIMPLE_EXAMPLE = ("Lily has 3 books. Lily gets 6 more books. Then Lily gives away 4 books. How many books does Lily "
@@ -81,16 +87,8 @@ def simple_story(rng, operations, largest=9):
 
 
 def simple_variant(operations, examples, largest=9):
-    def make(rng, split):
-        while True:
-            question, answer = simple_story(rng, operations, largest)
-            if (zlib.crc32(question.encode()) % 8 == 0) == (split == "test"):
-                shots = [turn for example, solution in examples for turn in (
-                    {"role": "user", "content": f"{example} {WORD_INSTRUCTION}"},
-                    {"role": "assistant", "content": solution})]
-                return {"question": [*shots, {"role": "user", "content": f"{question} {WORD_INSTRUCTION}"}],
-                        "answer": str(answer), "answer_format": "boxed"}
-    return make
+    """The same with one person (simple_story) instead of two."""
+    return few_shot_variant(lambda rng: simple_story(rng, operations, largest), examples)
 
 
 def arithmetic_variant(operations, largest=9):
