@@ -124,7 +124,7 @@ RUN_TINY_PRESET = dict(dataset="builtin", answer_format="auto", steps=30, micro_
                        eval_n=1, eval_temperature=0.0, eval_top_p=1.0, max_response_tokens=96, eval_max_tokens=96,
                        save_every=0)
 # The controlled comparison (docs/testbed.md): on the tiny model every trainer that has one of these knobs takes
-# this value, so the six files differ only in their own mechanism (each file's TINY_PRESET and the knobs only it
+# this value, so the seven files differ only in their own mechanism (each file's TINY_PRESET and the knobs only it
 # has; tests/test_skeleton.py fails on any other difference). Rollouts of 512 samples (SPPO: 512 prompts x 1),
 # sampled at temperature 1 without a nucleus; 2 optimizer steps per rollout at a constant lr 3e-5 with AdamW
 # (0.9, 0.999), weight decay 0.01 (verl's defaults); token-mean losses, no advantage whitening, no KL; every
@@ -135,16 +135,10 @@ CONTROLLED_TINY_PRESET = dict(prompts_per_step=64, samples_per_prompt=8, tempera
                               epochs=1, grad_clip=1.0, clip_low=0.2, clip_high=0.2, aggregation="token-mean",
                               whiten_advantages=False, kl_coef=0.0, critic_lr=5e-4, critic_epochs=4, gamma=1.0,
                               lam_actor=1.0, lam_critic=1.0)
-
-
 DATA_FIELDS = ("answer_format", "eval_datasets")  # a method file's published choices that go with its --dataset
-
-
-# `--preset smollm2`: the controlled comparison on a real model on CPU (docs/real_model.md). The tiny preset's
-# shared settings except the sizes: 8 prompts x 8 samples of at most 64 tokens, lr 2e-5, 12 steps; held-out avg@2 of
-# 64 problems at temperature 1 every 4 steps; every critic (a value head on the policy's pretrained backbone) at lr
-# 2e-4 (benchmarks/critic_fit.py's rule chose it, docs/real_model.md), 1 pass per rollout (published: 1). The method's
-# own settings: each file's SMOLLM2_PRESET (tests/test_skeleton.py fails on any other difference).
+# `--preset smollm2` (docs/real_model.md): the tiny preset's shared settings but the sizes (8 prompts x 8 samples of
+# at most 64 tokens, lr 2e-5, 12 steps, held-out avg@2 of 64 problems at temperature 1 every 4 steps) and the critics
+# (lr 2e-4, chosen by benchmarks/critic_fit.py's rule; 1 pass per rollout, as published); then each SMOLLM2_PRESET.
 RUN_SMOLLM2_PRESET = dict(model="smollm2-135m-instruct", dataset="builtin:words", answer_format="auto", steps=12,
                           max_response_tokens=64, micro_batch_tokens=2048, gradient_checkpointing=False,
                           eval_datasets=("builtin",), eval_every=4, eval_problems=64, eval_n=2, eval_temperature=1.0,

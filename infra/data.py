@@ -5,9 +5,7 @@ so a resumed run sees the same data).
 
 Layouts read without flags: plain rows (`question`/`problem`/`prompt` and `answer`/`solution`/`ground_truth`),
 verl's (DAPO-Math-17k: `prompt` a list of chat messages, the gold in `reward_model.ground_truth`) and slime's
-(SP3O's launcher: `--input-key prompt --label-key label`: chat messages and `label`). Other layouts name their
-fields with dotted paths (question_field, answer_field).
-"""
+(SP3O's launcher: `--input-key prompt --label-key label`: chat messages and `label`); others: --question-field."""
 import json
 import math
 import os
@@ -199,9 +197,8 @@ def builtin_digits(spec, flag="--dataset"):
     valid = len(bounds) <= 2 and all(b.isdigit() and 1 <= int(b) <= 12 for b in bounds)
     if not valid or int(bounds[0]) > int(bounds[-1]):
         raise UserError(f"{flag} {spec!r}: the built-in task is `builtin`, `builtin:N` (N digits from 1 to 12), "
-                        f"`builtin:A-B` (each problem's digits drawn from A to B, A <= B), `builtin:words`, "
-                        f"`builtin:words2`, `builtin:words3` or `builtin:early` (6 digits, one carry: after the units "
-                        f"column)")
+                        f"`builtin:A-B` (each problem's digits drawn from A to B, A <= B), `builtin:words`, `builtin:"
+                        f"words2`, `builtin:words3` or `builtin:early` (6 digits, one carry: after the units column)")
     return int(bounds[0]) if len(bounds) == 1 else (int(bounds[0]), int(bounds[1]))
 
 
