@@ -286,6 +286,11 @@ def main():
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 
+def pair_ratios(trl_runs, project_runs, key):
+    """TRL / project of `key`, pair by pair: the i-th run of each side against each other, as they were run."""
+    return [trl[key] / project[key] for trl, project in zip(trl_runs, project_runs) if project[key]]
+
+
 def compare_real(args):
     """--model: each of REAL_SIDES once per pair (in reverse order every second pair) on the real model's converted
     folder (converted here if needed; the other environments read the folder), then a table of the medians over the
@@ -307,15 +312,23 @@ def compare_real(args):
             else:
                 args.project_args = f"{base} {flags}" + (" --vllm-kv-cache-gib 1" if side == "vllm" else "")
             python = {"project": sys.executable, "vllm": args.vllm_python, "trl": args.trl_python}[side]
-            result = run_side(python, "trl" if side == "trl" else "project", args)
+            result = dict(run_side(python, "trl" if side == "trl" else "project", args), load=os.getloadavg()[0])
             results.setdefault(name, []).append(result)
             print(f"{name:<20} rollout {result['rollout_tokens_per_s']:6.1f} tok/s ({result['rollout']:.1f} s), "
                   f"update {result['update_tokens_per_s']:6.1f} tok/s ({result['update']:.1f} s), "
                   f"{result['seconds']:.1f} s per rollout; load average {os.getloadavg()[0]:.2f}", flush=True)
-    print("| side | rollout tokens/s | update tokens/s | s per rollout |\n| --- | --- | --- | --- |")
+    print("| side | rollout tokens/s | update tokens/s | s per rollout | load after |\n| --- | --- | --- | --- | --- |")
     for name, runs in results.items():
         print(f"| {name} | " + " | ".join(f"{statistics.median(r[key] for r in runs):.1f}" for key in
-                                         ("rollout_tokens_per_s", "update_tokens_per_s", "seconds")) + " |")
+                                         ("rollout_tokens_per_s", "update_tokens_per_s", "seconds")) +
+              f" | {max(r['load'] for r in runs):.2f} |")
+    for trl_side, project_side in (("TRL, float32", "hf, float32"), ("TRL, bf16 autocast", "hf, bf16 autocast")):
+        for key, label in (("seconds", "s per rollout"), ("rollout_tokens_per_s", "rollout tokens/s"),
+                           ("update_tokens_per_s", "update tokens/s")):
+            ratios = pair_ratios(results.get(trl_side, []), results.get(project_side, []), key)
+            if ratios:
+                print(f"{trl_side} / {project_side}, {label}: median {statistics.median(ratios):.2f}, min "
+                      f"{min(ratios):.2f}, max {max(ratios):.2f} over {len(ratios)} pairs")
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 

@@ -33,6 +33,17 @@ def test_trl_compare_times_whole_steps_and_their_phases():
         assert 0 < cpu_seconds < 2 * seconds  # one torch thread: CPU time stays near the wall time, never twice it
 
 
+def test_trl_compare_divides_each_pair_by_its_own_project_run():
+    """The ratio is taken pair by pair (the i-th TRL run over the i-th project run of the same dtype, run side by side
+    in time), not as a ratio of medians; a project run without the key's time (0) gives no ratio."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    from trl_compare import pair_ratios
+    trl = [dict(seconds=66.0), dict(seconds=80.0), dict(seconds=50.0)]
+    project = [dict(seconds=42.0), dict(seconds=40.0), dict(seconds=0.0)]
+    assert pair_ratios(trl, project, "seconds") == [66.0 / 42.0, 2.0]
+    assert pair_ratios(trl[:1], project, "seconds") == [66.0 / 42.0]  # a side that ran fewer times: its pairs only
+
+
 def test_critic_ceiling_reports_the_monte_carlo_and_fitted_critics():
     """Shrunk by its size flags: success at temperature 1 over train and test together, then the Monte Carlo values' and
     the fitted critic's explained variance, pooled and by position, each at most 1."""
