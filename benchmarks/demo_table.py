@@ -57,9 +57,10 @@ MIDDLE_KEYS = ("explained_variance", "explained_variance_anchors", "critic_z0", 
 T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23}  # two-sided, by df
 
 
-def run(method, seed, output_dir, extra, probe_every=0, records_dir=""):
+def run(method, seed, output_dir, extra, probe_every=0, records_dir="", keep_checkpoints=False):
     """One run in a child process (its output in <output-dir>/<run>.log); its summary, wall and CPU seconds. With
-    records_dir, its records are kept there (keep_records) as soon as it finishes."""
+    records_dir, its records are kept there (keep_records) as soon as it finishes, and its checkpoints removed unless
+    keep_checkpoints (SmolLM2's last checkpoint, kept for --resume, is 2.2 GB for GRPO, 4.2 GB with a critic)."""
     name, command = f"demo_{method}_s{seed}", run_command(method, seed, output_dir, extra, probe_every)
     os.makedirs(os.path.join(ROOT, output_dir), exist_ok=True)
     log_path, start, load = os.path.join(ROOT, output_dir, f"{name}.log"), time.time(), os.getloadavg()[0]
@@ -78,6 +79,8 @@ def run(method, seed, output_dir, extra, probe_every=0, records_dir=""):
     if records_dir:
         shown = ["OMP_NUM_THREADS=" + threads, "python", *command[1:]]
         keep_records(run_dir, os.path.join(ROOT, records_dir, f"{method}_s{seed}"), shlex.join(shown), resources)
+        if not keep_checkpoints:
+            shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)
     with open(os.path.join(run_dir, "metrics.jsonl")) as handle:
         records = [json.loads(line) for line in handle]
     return dict(summarize(records), method=method, seed=seed, seconds=resources["wall_s"], cpu_s=resources["cpu_s"])
@@ -301,6 +304,8 @@ def main():
                         "(default with --preset smollm2: docs/real_model_runs/<task>; '': none)")
     parser.add_argument("--jobs", type=int, default=1, help="runs side by side (each with OMP_NUM_THREADS threads)")
     parser.add_argument("--probe-every", type=int, default=0, help=f"critic probe every N steps ({', '.join(PROBED)})")
+    parser.add_argument("--keep-checkpoints", action="store_true", help="keep each recorded run's checkpoints "
+                        "(removed once its records are kept: the table's 42 SmolLM2 runs would hold about 150 GB)")
     parser.add_argument("--rerun", action="store_true", help="run again the runs already kept in --records")
     parser.add_argument("--from-results", action="store_true", help="no runs: the tables and the figure from "
                         "--records (else from --results, the last record of each method and seed, and the run folders)")
@@ -338,7 +343,8 @@ def main():
             print(f"{method} seed {seed}: kept in {records_dir}, not run again (--rerun to run it)", flush=True)
             results.append(kept[(method, seed)])
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        jobs = [pool.submit(run, method, seed, args.output_dir, extra, args.probe_every, records_dir)
+        jobs = [pool.submit(run, method, seed, args.output_dir, extra, args.probe_every, records_dir,
+                            args.keep_checkpoints)
                 for method, seed in todo if (method, seed) not in kept or args.rerun]
         for job in concurrent.futures.as_completed(jobs):
             try:

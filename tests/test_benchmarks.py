@@ -140,6 +140,9 @@ def test_demo_table_keeps_each_runs_records_and_tabulates_from_them_alone(tmp_pa
     assert kept.joinpath("command.txt").read_text().startswith("OMP_NUM_THREADS=1 python grpo.py --seed 0 ")
     resources = json.loads(kept.joinpath("resources.json").read_text())
     assert 0 < resources["cpu_s"] and 0 < resources["wall_s"]
+    # the run's last checkpoint (grpo.py saves one at the end) goes once the records are kept: SmolLM2's are GBs
+    assert (tmp_path / "runs" / "demo_grpo_s0" / "metrics.jsonl").exists()
+    assert not (tmp_path / "runs" / "demo_grpo_s0" / "checkpoints").exists()
     import shutil
     shutil.rmtree(tmp_path / "runs")
     again = run_script("benchmarks/demo_table.py", *tiny, "--from-results", "--output-dir", str(tmp_path / "none"))
