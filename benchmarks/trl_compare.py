@@ -316,7 +316,7 @@ def compare_real(args):
             results.setdefault(name, []).append(result)
             print(f"{name:<20} rollout {result['rollout_tokens_per_s']:6.1f} tok/s ({result['rollout']:.1f} s), "
                   f"update {result['update_tokens_per_s']:6.1f} tok/s ({result['update']:.1f} s), "
-                  f"{result['seconds']:.1f} s per rollout; load average {os.getloadavg()[0]:.2f}", flush=True)
+                  f"{result['seconds']:.1f} s per rollout; load average {result['load']:.2f}", flush=True)
     print("| side | rollout tokens/s | update tokens/s | s per rollout | load after |\n| --- | --- | --- | --- | --- |")
     for name, runs in results.items():
         print(f"| {name} | " + " | ".join(f"{statistics.median(r[key] for r in runs):.1f}" for key in
