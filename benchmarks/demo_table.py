@@ -64,6 +64,7 @@ def run(method, seed, output_dir, extra, probe_every=0, records_dir="", keep_che
     name, command = f"demo_{method}_s{seed}", run_command(method, seed, output_dir, extra, probe_every)
     os.makedirs(os.path.join(ROOT, output_dir), exist_ok=True)
     log_path, start, load = os.path.join(ROOT, output_dir, f"{name}.log"), time.time(), os.getloadavg()[0]
+    code = commit()  # at the start: the code the run imports
     threads = os.environ.get("OMP_NUM_THREADS", "1")
     with open(log_path, "w") as log:
         child = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
@@ -74,7 +75,7 @@ def run(method, seed, output_dir, extra, probe_every=0, records_dir="", keep_che
         with open(log_path) as log:
             raise RuntimeError(f"{' '.join(command[1:])} failed (exit {child.returncode}):\n{log.read()[-3000:]}")
     resources = dict(wall_s=time.time() - start, cpu_s=usage.ru_utime + usage.ru_stime, max_rss_mib=usage.ru_maxrss /
-                     1024, load_start=load, load_end=os.getloadavg()[0], omp_num_threads=threads, commit=commit())
+                     1024, load_start=load, load_end=os.getloadavg()[0], omp_num_threads=threads, commit=code)
     run_dir = os.path.join(ROOT, output_dir, name)
     if records_dir:
         shown = ["OMP_NUM_THREADS=" + threads, "python", *command[1:]]
@@ -99,10 +100,10 @@ def run_flags(command):
 
 
 def commit():
-    """The repository's commit, `+` if the tree has changes (what the run's code was)."""
+    """The repository's commit, `+` if the tree has changes outside docs/ (where the table writes its records)."""
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs"], cwd=ROOT,
+                           capture_output=True, text=True)
     return head.stdout.strip() + "+" * bool(dirty.stdout.strip()) if head.returncode == 0 else ""
 
 

@@ -155,3 +155,24 @@ def test_demo_table_keeps_each_runs_records_and_tabulates_from_them_alone(tmp_pa
     other = subprocess.run([sys.executable, "benchmarks/demo_table.py", *tiny, "--lr", "1e-4"], cwd=REPO,
                            capture_output=True, text=True)
     assert other.returncode == 1 and "was kept from a run with other flags" in other.stderr
+
+
+def test_demo_table_commit_marks_code_changes_not_the_records_it_writes(tmp_path, monkeypatch):
+    """A run's record names the commit its code came from, `+` when a file outside docs/ differs from it: the
+    table's own records and figure (docs/real_model_runs/) change the tree while later runs start."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import demo_table
+    git = lambda *argv: subprocess.run(["git", "-C", str(tmp_path), *argv], check=True, capture_output=True)  # noqa
+    git("init", "-q")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "grpo.py").write_text("x = 1\n")
+    (tmp_path / "docs" / "curves.png").write_text("old\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    monkeypatch.setattr(demo_table, "ROOT", str(tmp_path))
+    (tmp_path / "docs" / "curves.png").write_text("redrawn\n")
+    assert demo_table.commit() == head
+    (tmp_path / "grpo.py").write_text("x = 2\n")
+    assert demo_table.commit() == head + "+"
