@@ -362,14 +362,14 @@ def main():
     import infra.plot
     runs = [r.get("folder") or os.path.join(ROOT, args.output_dir, f"demo_{r['method']}_s{r['seed']}")
             for r in results]
-    seed_counts = sorted({sum(r["method"] == m for r in results) for m in {r["method"] for r in results}})
-    seeds = "-".join(map(str, dict.fromkeys((seed_counts[0], seed_counts[-1]))))  # "3", or "1-3" when they differ
     figure = os.path.join(ROOT, records_dir or args.output_dir, "curves.png")
     if records_dir:  # the runs' records folders: the figure from them alone
         runs = [os.path.join(ROOT, records_dir, f"{r['method']}_s{r['seed']}") for r in results]
-    title = f"{REAL_MODEL} on {task}" if real else "built-in task"
-    print("figure:", infra.plot.plot(runs, figure, f"{title}, {seeds} seed{'s' if seeds != '1' else ''} per method"))
     by_method = {m: sorted((r for r in results if r["method"] == m), key=lambda r: r["seed"]) for m in args.methods}
+    counts = sorted({len(rows) for rows in by_method.values() if rows})
+    seeds = f"{counts[0]}-{counts[-1]} seeds" if len(counts) > 1 else f"{counts[0]} seed" + "s" * (counts[0] > 1)
+    title = f"{REAL_MODEL} on {task}" if real else "built-in task"
+    print("figure:", infra.plot.plot(runs, figure, f"{title}, {seeds} per method"))
     tables({m: rows for m, rows in by_method.items() if rows}, "SMOLLM2_PRESET" if real else "TINY_PRESET")
 
 
