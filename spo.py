@@ -18,7 +18,6 @@ edges beyond 32 for up to 8 rollouts, with the log-probs taken when they were in
 the token-mean is over a mini-batch, not over each micro-batch; rollouts at top-p 1 (the RhoMath configs: 0.9).
 
 Usage: `python <this file>` runs the built-in CPU demo; `--model Qwen3-4B-Base` a real run on the data in Args.
-Add `--mode tree` for SPO-tree.
 """
 import math
 import time
