@@ -19,10 +19,11 @@ import tokenize
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
+import infra.horizon
 from infra import UserError
 from infra.checks import check_ranges, flag_name
 from infra.resume import check_resume, resume_point, saved_settings
-from infra.tiny import is_tiny_model
+from infra.tiny import builtin_model
 
 
 @dataclass
@@ -30,8 +31,9 @@ class RunArgs:
     """Flags of every trainer: what to train and evaluate on, where the run goes, how it runs."""
     model: str = "tiny"  # policy: `tiny` (built-in CPU demo), a hub name (Qwen3-4B-Base) or a local path
     # settings preset: auto (the tiny model: the CPU demo's controlled preset; else each file's defaults, as labelled)
-    # or smollm2 (the controlled comparison on SmolLM2-135M-Instruct on CPU, docs/real_model.md); flags override it
-    preset: Literal["auto", "smollm2"] = "auto"
+    # smollm2 (the controlled comparison on SmolLM2-135M-Instruct on CPU, docs/real_model.md) or horizon (the demo's
+    # comparison on the horizon task, docs/horizon.md; auto with --model horizon); flags override it
+    preset: Literal["auto", "smollm2", "horizon"] = "auto"
     # training problems: `builtin` (6-digit additions; `builtin:N`, N digits; `builtin:A-B`, A to B digits;
     # `builtin:early`, one carry, after the units column; `builtin:words`, word problems for a real chat model), a
     # .jsonl/.json/.parquet file or a hub id (org/name, org/name:config)
@@ -257,15 +259,19 @@ def parse_args(args_class, tiny_preset=None, argv=None, smollm2_preset=None):
         defaults = args_class(**saved)
         description = f"Defaults shown: the saved settings of {point[0]}."
     else:
-        smollm2 = _flag_value(argv, "--preset") == "smollm2"
-        model = _flag_value(argv, "--model") or (RUN_SMOLLM2_PRESET["model"] if smollm2 else
-                                                 getattr(args_class, "model", ""))
+        smollm2, horizon = (_flag_value(argv, "--preset") == name for name in ("smollm2", "horizon"))
+        model = _flag_value(argv, "--model") or (RUN_SMOLLM2_PRESET["model"] if smollm2 else "horizon" if horizon
+                                                 else getattr(args_class, "model", ""))
+        horizon = horizon or not smollm2 and builtin_model(model) == "horizon"
+        controlled = {**CONTROLLED_TINY_PRESET, **(tiny_preset or {})}
         preset = {**RUN_SMOLLM2_PRESET, **CONTROLLED_SMOLLM2_PRESET, **(smollm2_preset or {})} if smollm2 else \
-            {**RUN_TINY_PRESET, **CONTROLLED_TINY_PRESET, **(tiny_preset or {})} if is_tiny_model(model) else {}
+            infra.horizon.preset(_flag_value(argv, "--dataset") or "", controlled) if horizon else \
+            {**RUN_TINY_PRESET, **controlled} if builtin_model(model) == "tiny" else {}
         defaults = args_class(**{name: value for name, value in preset.items() if name in names})
         description = None if not hasattr(args_class, "model") else (
             f"Defaults shown: the controlled SmolLM2 comparison's preset (--preset smollm2, --model {model})."
-            if smollm2 else
+            if smollm2 else f"Defaults shown: the horizon task's preset (--preset horizon, --model {model})."
+            if horizon else
             f"Defaults shown: the built-in CPU demo's preset (--model {model}); a real model gets its own."
             if preset else f"Defaults shown: the real-model settings, each labelled with its source (--model {model}).")
     run_names = {field.name for field in dataclasses.fields(RunArgs)}

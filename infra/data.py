@@ -189,16 +189,22 @@ def _read_file_rows(spec, flag):
 def builtin_digits(spec, flag="--dataset"):
     """The digits of `builtin` (the default, infra.tiny.DIGITS), `builtin:N` (an int) or `builtin:A-B` ((A, B));
     "early" for `builtin:early` (infra.tiny.early_problem), "words" for `builtin:words` (infra.tiny.word_problem),
-    "words2"/"words3" for `builtin:words2`/`builtin:words3` (infra.tiny.chain_word_problem)."""
+    "words2"/"words3" for `builtin:words2`/`builtin:words3` (infra.tiny.chain_word_problem), the spec itself for
+    `builtin:horizon-k<K>-h<H>[-late]` (infra.horizon)."""
     text = spec.partition(":")[2] if ":" in spec else str(DIGITS)
     if text in ("early", "words", "words2", "words3"):
+        return text
+    if text.startswith("horizon"):
+        from infra.horizon import parse_spec
+        parse_spec(text, flag)  # refused in one line if malformed
         return text
     bounds = text.split("-")
     valid = len(bounds) <= 2 and all(b.isdigit() and 1 <= int(b) <= 12 for b in bounds)
     if not valid or int(bounds[0]) > int(bounds[-1]):
         raise UserError(f"{flag} {spec!r}: the built-in task is `builtin`, `builtin:N` (N digits from 1 to 12), "
                         f"`builtin:A-B` (each problem's digits drawn from A to B, A <= B), `builtin:words`, `builtin:"
-                        f"words2`, `builtin:words3` or `builtin:early` (6 digits, one carry: after the units column)")
+                        f"words2`, `builtin:words3`, `builtin:early` (6 digits, one carry: after the units column) or "
+                        f"`builtin:horizon-k<K>-h<H>[-late]` (K decisions, H irrelevant tokens)")
     return int(bounds[0]) if len(bounds) == 1 else (int(bounds[0]), int(bounds[1]))
 
 

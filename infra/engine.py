@@ -2,6 +2,8 @@
 the sampled tokens and their log-probs under the processed (temperature / top-p) distribution. HFGenerator samples
 with the trainer's own model (generate's sampling, in a leaner loop); the vLLM engine lives in infra/vllm_engine.py.
 """
+import functools
+
 import torch
 
 from common import Completion, cache_argument, prompt_ids, read_common_prefix
@@ -108,6 +110,7 @@ class HFGenerator:
             if step == 0:
                 logits = logits[copies]
                 cache.batch_select_indices(copies)
+                grow_in_place(cache)
             for warper in warpers:
                 logits = warper(None, logits)
             token = torch.multinomial(logits.softmax(-1), 1)[:, 0] if temperature > 0 else logits.argmax(-1)
@@ -129,6 +132,49 @@ class HFGenerator:
             positions, step_ids = positions[:, -1:] + 1, token[:, None]
             step_mask, step_positions = attention_mask, positions
         return tokens[:, :step + 1], logprobs[:, :step + 1]
+
+
+def grow_in_place(cache):
+    """Turn the cache's full-attention layers into GrowingLayers (growing_layer_class), keeping what they hold."""
+    from transformers.cache_utils import DynamicLayer
+    cache.layers = [growing_layer_class()(layer) if type(layer) is DynamicLayer and layer.is_initialized else layer
+                    for layer in cache.layers]
+
+
+@functools.cache
+def growing_layer_class():
+    """GrowingLayer, made on first use: transformers is imported only once a model runs."""
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        """A DynamicLayer whose keys and values are views of buffers grown by doubling, so a sampled token is written
+        in place: DynamicLayer's torch.cat copies the whole cache at every step (74% of the sampling time at 700
+        tokens, 128 rows, on the horizon model: 1,000 tokens sampled in 57 s, 15 s in place; docs/horizon.md)."""
+
+        def __init__(self, layer):
+            super().__init__()
+            self.is_initialized, self.device, self.length = True, layer.keys.device, layer.keys.shape[-2]
+            self.key_buffer, self.value_buffer = layer.keys, layer.values
+            self.keys, self.values = layer.keys, layer.values
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            end = self.length + key_states.shape[-2]
+            if end > self.key_buffer.shape[-2]:
+                capacity = max(end, 2 * self.key_buffer.shape[-2])
+                self.key_buffer, self.value_buffer = (torch.cat([buffer[..., :self.length, :], buffer.new_empty(
+                    *buffer.shape[:-2], capacity - self.length, buffer.shape[-1])], -2)
+                    for buffer in (self.key_buffer, self.value_buffer))
+            self.key_buffer[..., self.length:end, :] = key_states
+            self.value_buffer[..., self.length:end, :] = value_states
+            self.length = end
+            self.keys, self.values = self.key_buffer[..., :end, :], self.value_buffer[..., :end, :]
+            return self.keys, self.values
+
+        def batch_select_indices(self, indices):
+            self.key_buffer, self.value_buffer = self.key_buffer[indices], self.value_buffer[indices]
+            self.keys, self.values = self.key_buffer[..., :self.length, :], self.value_buffer[..., :self.length, :]
+
+    return GrowingLayer
 
 
 def stop_token_ids(model, tokenizer):

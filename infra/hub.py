@@ -23,11 +23,13 @@ TINY_MODEL_VERSION = "tiny-v4"  # the cache's name for a model built here when m
 
 
 def resolve_model_name(name, flag="--model"):
-    """`tiny` -> the built-in checkpoint (models/tiny/); `smollm2-135m-instruct` -> its folder converted from the
-    pip package's GGUF file (infra.gguf_model); a bare `Qwen3-4B-Base` -> `Qwen/Qwen3-4B-Base`; local paths and
-    `org/name` hub ids pass through."""
+    """`tiny` -> the built-in checkpoint (models/tiny/), `horizon` -> models/horizon/; `smollm2-135m-instruct` -> its
+    folder converted from the pip package's GGUF file (infra.gguf_model); a bare `Qwen3-4B-Base` ->
+    `Qwen/Qwen3-4B-Base`; local paths and `org/name` hub ids pass through."""
     if name == "tiny":
         return tiny_model_path()
+    if name == "horizon":  # the horizon task's model (infra.horizon), shipped only
+        return os.path.join(ROOT, "models", "horizon")
     if gguf_model.is_packaged_model(name) and not os.path.exists(name):  # smollm2-135m-instruct
         return gguf_model.packaged_model_path(name, CACHE_DIR)
     if os.path.exists(name) or "/" in name:

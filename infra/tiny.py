@@ -18,17 +18,24 @@ from infra import UserError
 from infra.hub import CACHE_DIR, TINY_MODEL_VERSION, tiny_model_path  # noqa: F401 (tiny_model_path: where it was)
 from infra.hub import TINY_SHIPPED as SHIPPED
 
-TINY_SHAPE = (128, 2, 100)  # hidden size, layers, vocabulary of the built-in tiny model
+BUILTIN_SHAPES = {(128, 2, 100, 512): "tiny", (128, 2, 100, 2048): "horizon"}  # hidden, layers, vocab, positions
+
+
+def builtin_model(name):
+    """"tiny" or "horizon" for a built-in model (models/tiny/, models/horizon/: infra.horizon) given by name or as a
+    checkpoint of it (its config has that model's shape): such runs take that model's preset. Else None."""
+    config_path = os.path.join(name, "config.json")
+    if name in ("tiny", "horizon") or not os.path.exists(config_path):
+        return name if name in ("tiny", "horizon") else None
+    with open(config_path) as handle:
+        config = json.load(handle)
+    return BUILTIN_SHAPES.get(tuple(config.get(key) for key in ("hidden_size", "num_hidden_layers", "vocab_size",
+                                                                "max_position_embeddings")))
 
 
 def is_tiny_model(name):
-    """`tiny`, or a checkpoint of it (its config has the built-in model's shape): such runs take the tiny preset."""
-    config_path = os.path.join(name, "config.json")
-    if name == "tiny" or not os.path.exists(config_path):
-        return name == "tiny"
-    with open(config_path) as handle:
-        config = json.load(handle)
-    return (config.get("hidden_size"), config.get("num_hidden_layers"), config.get("vocab_size")) == TINY_SHAPE
+    """`tiny`, or a checkpoint of it: such runs take the tiny preset."""
+    return builtin_model(name) == "tiny"
 
 
 DIGITS = 6  # digits of each addend in the built-in task (`--dataset builtin:N` for N digits; 3: the fast smoke test)
@@ -178,7 +185,11 @@ def chain_word_problem(rng, split, operations):
 
 def builtin_rows(split, n, seed, digits=DIGITS):
     """n problems of `digits` digits, or of (low, high): each problem's digits drawn uniformly from low..high, or
-    with digits "early" the early_problem task, "words" the word_problem task, "words2"/"words3" chain_word_problem."""
+    with digits "early" the early_problem task, "words" the word_problem task, "words2"/"words3" chain_word_problem,
+    "horizon-k<K>-h<H>[-late]" infra.horizon's task."""
+    if isinstance(digits, str) and digits.startswith("horizon"):
+        from infra.horizon import horizon_rows
+        return horizon_rows(split, n, seed, digits)
     if digits == "words":
         rng = random.Random(f"{split}-{seed}-words")
         return [word_problem(rng, split) for _ in range(n)]
@@ -195,22 +206,29 @@ def builtin_rows(split, n, seed, digits=DIGITS):
     return [addition_problem(rng, split, digits) for _ in range(n)]
 
 
+def char_tokenizer():
+    """The built-in models' tokenizer: one token per printable ASCII character and newline, pad, EOS, unknown, and
+    our instruction (common.INSTRUCTION) as one token, so prompts stay short."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    specials = ["<|pad|>", "<|endoftext|>", "<|unk|>"]
+    vocab = {token: i for i, token in enumerate(specials + ["\n"] + [chr(c) for c in range(32, 127)])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<|unk|>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    core.add_tokens([AddedToken(common.INSTRUCTION, normalized=False)])
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<|pad|>", eos_token="<|endoftext|>",
+                                   unk_token="<|unk|>", clean_up_tokenization_spaces=False)
+
+
 def build_tiny_model(path, sft_steps=SFT_STEPS, seed=0):
     """Build the tiny model into `path` (kept if one is there): a 2-layer Qwen3 with a character tokenizer,
     supervised on 3- to 7-digit additions written with carry_habit, so it starts low (greedy: about 7% of the
     6-digit held-out problems) and RL has four carry contexts to fix. A normal HF checkpoint directory."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
-    specials = ["<|pad|>", "<|endoftext|>", "<|unk|>"]
-    vocab = {token: i for i, token in enumerate(specials + ["\n"] + [chr(c) for c in range(32, 127)])}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<|unk|>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    core.add_tokens([AddedToken(common.INSTRUCTION, normalized=False)])  # the instruction as one token: short prompts
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<|pad|>", eos_token="<|endoftext|>",
-                                        unk_token="<|unk|>", clean_up_tokenization_spaces=False)
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    tokenizer = char_tokenizer()
     config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
                          tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=1)
