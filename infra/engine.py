@@ -4,8 +4,9 @@ with the trainer's own model (generate's sampling, in a leaner loop); the vLLM e
 """
 import torch
 
-from common import Completion, cache_argument, prompt_ids, read_common_prefix
+from common import Completion, prompt_ids
 from infra import UserError, dist, progress
+from infra.prompt_sharing import cache_argument, read_common_prefix
 
 
 class HFGenerator:
