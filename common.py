@@ -1,6 +1,7 @@
 """What a reader of a method file needs to open: how a model loads and runs on a batch, the batch layout and the
 per-token log-probs, the prompt, answer checking, and the rollout engine's contract (Completion). Plumbing that a
-reader may skip (command line, torchrun, data files, evaluation, checkpoints, the engines) lives in infra/.
+reader may skip (command line, torchrun, data files, evaluation, checkpoints, the engines; the KV-cache sharing, the
+sliced LM head and the micro-batch packing behind the functions here) lives in infra/.
 """
 import dataclasses
 import decimal
