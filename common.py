@@ -1,10 +1,10 @@
 """What a reader of a method file needs to open: how a model loads and runs on a batch, the batch layout and the
 per-token log-probs, the prompt, answer checking, and the rollout engine's contract (Completion). Plumbing that a
-reader may skip (command line, torchrun, data files, evaluation, checkpoints, the engines) lives in infra/.
+reader may skip (command line, torchrun, data files, evaluation, checkpoints, the engines; the KV-cache sharing, the
+sliced LM head and the micro-batch packing behind the functions here) lives in infra/.
 """
 import dataclasses
 import decimal
-import inspect
 import re
 import time
 from dataclasses import dataclass
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from infra import UserError, answer_line, dist, verifier
+from infra import UserError, answer_line, dist, lm_head, packing, prompt_sharing, verifier
 from infra.hub import check_model_source, resolve_model_name
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -89,87 +89,22 @@ def response_forward(model, batch, hidden=False):
     """The model's outputs (.logits) at the states before each response token and after the last: columns P-1 ..
     P+T-1, [B, T+1, ...]. hidden=True: the final hidden states there instead, [B, T+1, d] (the LM head is left out
     of the call: response_logprobs applies it a slice of the vocabulary at a time). Rows that share a prompt (a
-    group's samples) share one pass over it: the prompt's keys and values are computed once and indexed out to each
-    row, so its activations and gradients are computed once per group; and the prompts' common head (a chat
-    template's system turn, a few-shot example) is read once for all of them (read_common_prefix). The same numbers
-    as one full forward up to float noise (tests/test_logprobs.py). One full forward under gradient checkpointing
-    (Hugging Face then keeps no cache) and FSDP (its backward hooks sit on a call's outputs; the prompt pass has none
-    in the loss)."""
-    from transformers import DynamicCache
+    group's samples) read it once, its keys and values indexed out to each row, and the prompts' common head (a chat
+    template's system turn, a few-shot example) is read once for all of them (infra.prompt_sharing: a KV cache). The
+    same numbers as one full forward up to float noise (tests/test_logprobs.py)."""
     head = model.get_output_embeddings() if hidden else None
     if hidden:  # outputs.logits = head(final hidden states): with an identity head, the hidden states themselves
         model.set_output_embeddings(torch.nn.Identity())
     try:
-        prompt_width = batch.input_ids.shape[1] - batch.response_width
-        prefix = slice(0, prompt_width - 1)  # the last prompt column goes with the response: each row gets its output
-        prompts, rows = torch.cat([batch.input_ids[:, prefix], batch.attention_mask[:, prefix]], 1).unique(
-            dim=0, return_inverse=True) if prompt_width > 1 else (batch.input_ids, None)
-        keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-        cache_name = cache_argument(model)  # (a value head has no logits_to_keep: it keeps every column)
-        shared = not (dist.sharded() or cache_name is None or prompt_width < 2 or any(
-            getattr(module, "gradient_checkpointing", False) for module in model.modules()))
-        if not shared or len(prompts) == len(batch.input_ids) and not common_prefix_length(
-                prompts[:, :prompt_width - 1], prompts[:, prompt_width - 1:]):
-            outputs = forward(model, batch, **({"logits_to_keep": batch.response_width + 1} if keep else {}))
+        outputs = prompt_sharing.shared_prompt_forward(model, batch)  # None: nothing to share, or sharing is off
+        if outputs is None:  # one full forward
+            outputs = forward(model, batch, **prompt_sharing.logits_to_keep(model, batch.response_width + 1))
             if outputs.logits.shape[1] > batch.response_width + 1:  # a value head's; a no-op slice's backward fills 0
                 outputs.logits = outputs.logits[:, -batch.response_width - 1:]
-            return outputs
-        inputs, cache = batch.model_inputs(), DynamicCache(config=model.config)
-        dtype = getattr(model, "compute_dtype", torch.float32)
-        # One autocast region, so each weight is cast once (autocast's cache): the distinct prompts' common head (a
-        # system turn, an example) read once, then each prompt's rest once, indexed out to its rows.
-        with torch.autocast(batch.input_ids.device.type, dtype=dtype, enabled=dtype != torch.float32):
-            ids, mask = read_common_prefix(model, prompts[:, :prompt_width - 1], prompts[:, prompt_width - 1:], cache)
-            positions = (mask.cumsum(1) - 1).clamp(min=0)[:, -ids.shape[1]:]
-            model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{cache_name: cache},
-                  **keep)
-            cache.batch_select_indices(rows)  # indexed: the copies' gradients add up in the prompt's pass
-            return model(input_ids=inputs["input_ids"][:, prompt_width - 1:], use_cache=True, **{cache_name: cache},
-                         attention_mask=torch.cat([mask[rows], inputs["attention_mask"][:, prompt_width - 1:]], 1),
-                         position_ids=inputs["position_ids"][:, prompt_width - 1:])
+        return outputs
     finally:
         if hidden:
             model.set_output_embeddings(head)
-
-
-def common_prefix_length(input_ids, attention_mask, min_tokens=16):
-    """How many tokens every left-padded row of [B, W] `input_ids` starts with, each row keeping at least its last
-    token; 0 for one row or a prefix under min_tokens."""
-    lengths = attention_mask.sum(1)
-    shortest, width = int(lengths.min()) - 1, input_ids.shape[1]
-    if len(input_ids) < 2 or shortest < min_tokens:
-        return 0
-    heads = input_ids.gather(1, (width - lengths)[:, None] + torch.arange(shortest, device=input_ids.device))
-    prefix = int((heads == heads[:1]).all(0).cumprod(0).sum())  # the first columns where every row agrees
-    return prefix if prefix >= min_tokens else 0
-
-
-def read_common_prefix(model, input_ids, attention_mask, cache):
-    """Read the tokens that every left-padded row of [B, W] `input_ids` starts with (a chat template's system turn, a
-    few-shot example; common_prefix_length) once, into `cache`, copied to each row. Returns the rest of each row,
-    left-padded, and the mask of the whole row, [the prefix][padding][the rest] (positions count real tokens, so each
-    token keeps its position and context: one pass's numbers up to float noise). Rows and mask come back as given
-    (nothing read) without a common prefix or with a cache that is not plain full attention (sliding windows)."""
-    full_attention = all(type(layer).__name__ == "DynamicLayer" for layer in getattr(cache, "layers", [None]))
-    prefix = common_prefix_length(input_ids, attention_mask) if full_attention else 0
-    if not prefix:
-        return input_ids, attention_mask
-    lengths, width, device = attention_mask.sum(1), input_ids.shape[1], input_ids.device
-    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-    first = input_ids[:1, width - int(lengths[0]):][:, :prefix]
-    model(input_ids=first, attention_mask=torch.ones_like(first), use_cache=True, **{cache_argument(model): cache},
-          position_ids=torch.arange(prefix, device=device)[None], **keep)
-    cache.batch_select_indices(torch.zeros(len(input_ids), dtype=torch.long, device=device))
-    rest = int(lengths.max()) - prefix  # the longest remainder
-    rest_mask = (torch.arange(rest, device=device) >= (rest - (lengths - prefix))[:, None]).long()
-    return input_ids[:, width - rest:], torch.cat([attention_mask.new_ones(len(input_ids), prefix), rest_mask], 1)
-
-
-def cache_argument(model):
-    """The name model.forward takes a KV cache by (`cache` since transformers 5.2x, `past_key_values` before), or
-    None."""
-    parameters = inspect.signature(model.forward).parameters
-    return next((name for name in ("cache", "past_key_values") if name in parameters), None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -326,7 +261,7 @@ class SequenceBatch:
         return SequenceBatch(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
 
     def lengths(self):
-        """(prompt length, response length) of each row, for token_budget_chunks."""
+        """(prompt length, response length) of each row, for micro_batches."""
         response = self.response_mask.sum(1)
         return list(zip((self.attention_mask.sum(1) - response).tolist(), response.tolist()))
 
@@ -376,58 +311,12 @@ def response_logprobs(model, batch, temperature=1.0):
 def head_logprobs(hidden, weight, tokens, temperature=1.0, dtype=torch.float32, chunk_elements=2 ** 24):
     """log softmax(hidden @ weight^T / temperature)[tokens] in float32 for [..., d] hidden states, the [V, d] LM head
     and [...] tokens; matmuls in `dtype` (the model's compute dtype, as autocast runs the head). The logits exist a
-    slice of the vocabulary at a time, about `chunk_elements` (64 MB in float32; at least 256 columns)."""
+    slice of the vocabulary at a time, about `chunk_elements` (64 MB in float32; at least 256 columns), in the forward
+    and the backward pass (infra.lm_head)."""
     flat = hidden.reshape(-1, hidden.shape[-1])
     columns = max(256, chunk_elements // max(1, flat.shape[0]))
-    out = _HeadLogprobs.apply(flat, weight, tokens.reshape(-1), float(temperature), dtype, columns)
+    out = lm_head.SlicedHeadLogprobs.apply(flat, weight, tokens.reshape(-1), float(temperature), dtype, columns)
     return out.view(tokens.shape)
-
-
-def _head_slices(hidden, weight, dtype, columns, temperature):
-    """(first column, the slice's [V_s, d] weight in `dtype`, its [N, V_s] logits / temperature in float32) for
-    each slice of `columns` vocabulary rows."""
-    for start in range(0, weight.shape[0], columns):
-        part = weight[start:start + columns].to(dtype)
-        logits = (hidden @ part.T).float()
-        yield start, part, logits if temperature == 1 else logits.div_(temperature)
-
-
-class _HeadLogprobs(torch.autograd.Function):
-    """log p_y = z_y / tau - logsumexp(z / tau) with z = h W^T, one vocabulary slice at a time (the idea of Liger's
-    fused linear cross-entropy): the logsumexp accumulates over slices. Saved for backward: h, W (not copies) and
-    one logsumexp per position. Backward recomputes each slice's z: dz_j = (1[j = y] - p_j) g / tau, then
-    dh += dz W_slice and dW_slice = dz^T h (each row of W written once). A tied W gets this gradient beside the
-    embedding's (autograd adds them)."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, tokens, temperature, dtype, columns):
-        compute = hidden.to(dtype)
-        logsumexp = torch.full(tokens.shape, -torch.inf, device=hidden.device)
-        target, rows = torch.zeros_like(logsumexp), torch.arange(len(tokens), device=tokens.device)
-        for start, _, logits in _head_slices(compute, weight, dtype, columns, temperature):
-            logsumexp = torch.logaddexp(logsumexp, logits.logsumexp(-1))
-            inside = (tokens >= start) & (tokens < start + logits.shape[1])
-            target[inside] = logits[rows[inside], tokens[inside] - start]
-        ctx.save_for_backward(hidden, weight, tokens, logsumexp)
-        ctx.temperature, ctx.dtype, ctx.columns = temperature, dtype, columns
-        return target - logsumexp
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        hidden, weight, tokens, logsumexp = ctx.saved_tensors
-        compute, scale = hidden.to(ctx.dtype), grad_out.float() / ctx.temperature
-        grad_hidden = torch.zeros(hidden.shape, device=hidden.device)  # float32: the slices' sum
-        grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
-        rows = torch.arange(len(tokens), device=tokens.device)
-        for start, part, logits in _head_slices(compute, weight, ctx.dtype, ctx.columns, ctx.temperature):
-            grad = logits.sub_(logsumexp[:, None]).exp_().mul_(-scale[:, None])  # -p g / tau, in place
-            inside = (tokens >= start) & (tokens < start + logits.shape[1])
-            grad[rows[inside], tokens[inside] - start] += scale[inside]
-            grad = grad.to(ctx.dtype)
-            grad_hidden += grad @ part
-            if grad_weight is not None:
-                grad_weight[start:start + len(part)] = grad.T @ compute
-        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None
 
 
 def critic_outputs(critic, batch):
@@ -439,7 +328,7 @@ def critic_outputs(critic, batch):
 @torch.no_grad()
 def batched(function, batch, micro_batch_size, max_tokens=0):
     """Apply `function(micro_batch) -> [b, t]` over micro-batches without gradients; returns [B, T].
-    max_tokens > 0 packs the micro-batches by padded token count instead (token_budget_chunks)."""
+    max_tokens > 0 packs the micro-batches by padded token count instead (micro_batches)."""
     out = torch.zeros(batch.response_ids.shape, dtype=torch.float32, device=batch.input_ids.device)
     rows = list(range(batch.input_ids.shape[0]))
     for micro_rows in micro_batches(rows, batch.lengths() if max_tokens else None, micro_batch_size, max_tokens):
@@ -452,49 +341,11 @@ def chunks(items, size):
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
-MICRO_BATCH_COST = 512  # a micro-batch's fixed cost counted in padded tokens (launches, FSDP's gathers): assumed
-
-
-def token_budget_chunks(indices, lengths, max_tokens, overhead=MICRO_BATCH_COST):
-    """Split `indices` into micro-batches of at most `max_tokens` padded tokens (rows x width; a row wider than the
-    budget goes alone) that compute the fewest padded tokens, each micro-batch counted `overhead` tokens more: rows
-    are taken longest response first, and a dynamic program over that order places the cuts. `lengths[i]` is row
-    i's length, or a (prompt, response) pair: in a SequenceBatch the width is the longest prompt plus the longest
-    response of the micro-batch (SequenceBatch.lengths())."""
-    def parts(index):
-        value = lengths[index]
-        value = value.tolist() if torch.is_tensor(value) else value
-        return tuple(int(v) for v in value) if isinstance(value, (tuple, list)) else (int(value),)
-
-    order = sorted(indices, key=lambda i: tuple(reversed(parts(i))), reverse=True)  # stable for equal lengths
-    cost, cut = [0] + [float("inf")] * len(order), [0] * (len(order) + 1)  # the best split of order[:end]
-    for end in range(1, len(order) + 1):
-        widest = parts(order[end - 1])
-        for start in range(end - 1, -1, -1):  # order[start:end] as the last micro-batch
-            widest = tuple(map(max, widest, parts(order[start])))
-            if (end - start) * sum(widest) > max_tokens and start < end - 1:
-                break
-            if cost[start] + (end - start) * sum(widest) + overhead < cost[end]:
-                cost[end], cut[end] = cost[start] + (end - start) * sum(widest) + overhead, start
-    groups, end = [], len(order)
-    while end:
-        groups.append(order[cut[end]:end])
-        end = cut[end]
-    return groups[::-1]
-
-
 def micro_batches(rows, lengths, micro_batch_size, max_tokens=0):
-    """Micro-batches of `rows`: packed by padded token count when max_tokens > 0 (token_budget_chunks), else
-    micro_batch_size rows each in rollout order, so a group's samples meet in a micro-batch, where response_forward
-    reads their prompt once. Under torchrun every rank gets as many as the rank with the most (FSDP forwards are
-    collective): the largest micro-batches are halved until the counts agree."""
-    groups = token_budget_chunks(rows, lengths, max_tokens) if max_tokens else chunks(sorted(rows), micro_batch_size)
-    wanted = max(dist.gather_objects(len(groups)))
-    while len(groups) < wanted:
-        largest = max(range(len(groups)), key=lambda i: len(groups[i]))
-        if len(groups[largest]) < 2:
-            raise UserError(f"the ranks need {wanted} micro-batches but this one holds {len(rows)} sequences: "
-                            "use the same number of sequences on every rank")
-        half = len(groups[largest]) // 2
-        groups[largest:largest + 1] = [groups[largest][:half], groups[largest][half:]]
-    return groups
+    """Micro-batches of `rows`: micro_batch_size rows each in rollout order, so a group's samples meet in a
+    micro-batch, where response_forward reads their prompt once; or, when max_tokens > 0, packed by padded token
+    count (`lengths`: SequenceBatch.lengths()), at most max_tokens each, the fewest padded tokens in all
+    (infra.packing.token_budget_chunks). Under torchrun every rank gets as many as the rank with the most."""
+    groups = packing.token_budget_chunks(rows, lengths, max_tokens) if max_tokens else \
+        chunks(sorted(rows), micro_batch_size)
+    return packing.same_count_on_every_rank(groups)

@@ -1,5 +1,5 @@
 """Padding of the update's micro-batches: --micro-batch-size 8 in rollout order (the default before issue 39) against
---micro-batch-tokens 16384 (the default for real models now: longest response first, cut where common.
+--micro-batch-tokens 16384 (the default for real models now: longest response first, cut where infra.packing.
 token_budget_chunks' dynamic program computes the fewest padded tokens), on long-tailed response lengths.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_padding.py     # Qwen3-0.6B's shape, 2 layers; 4 prompts x 8 samples

@@ -25,6 +25,11 @@
     vllm_engine.py the vLLM rollout engine (optional: vLLM is imported there only)
     verifier.py    the math-verify checker process behind common.verify
     answer_line.py DAPO's answer-line reward (verl math_dapo) behind common.verify_answer_line
+    prompt_sharing.py  rows that share a prompt read it once, through a KV cache (behind common.response_forward;
+                   the engine's sampling too), and the prompts' common head (a system turn, an example) once for all
+    lm_head.py     the LM head and log-softmax a vocabulary slice at a time, forward and backward, behind
+                   common.head_logprobs
+    packing.py     micro-batches packed by padded token count, and as many on every rank, behind common.micro_batches
     evaluate.py    held-out evaluation (avg@n, pass@k) and rollout metrics
     probes.py      critic diagnostics against Monte Carlo values
     checkpoint.py  checkpoints (sharded and Hugging Face format) and exact resume
@@ -36,7 +41,8 @@ Layers, imports pointing down only (tests/test_layers.py reads every import, tho
     common.py                    what a reader of a method file opens: imports only BELOW_COMMON (and this package)
     infra, below common.py       BELOW_COMMON: import neither common.py nor a module above it, nor a method file
 """
-BELOW_COMMON = ("dist", "verifier", "answer_line", "hub", "gguf_model")  # with this package itself (UserError)
+BELOW_COMMON = ("dist", "verifier", "answer_line", "hub", "gguf_model",  # with this package itself (UserError)
+                "prompt_sharing", "lm_head", "packing")
 
 
 class UserError(Exception):

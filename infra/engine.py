@@ -6,8 +6,9 @@ import functools
 
 import torch
 
-from common import Completion, cache_argument, prompt_ids, read_common_prefix
+from common import Completion, prompt_ids
 from infra import UserError, dist, progress
+from infra.prompt_sharing import cache_argument, read_common_prefix
 
 
 class HFGenerator:

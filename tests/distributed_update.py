@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 import grpo  # noqa: E402
 import infra.dist
+import infra.packing
 
 ROWS, GROUP = 8, 4
 
@@ -49,7 +50,8 @@ def main():
     rows = list(range(len(local)))
     counts = dict(num_sequences=len(rows), num_tokens=infra.dist.rank_mean(mask.sum()), max_length=16)
     total_loss, groups = 0.0, common.micro_batches(rows, batch.lengths(), micro_batch_size, micro_batch_tokens)
-    packed = common.token_budget_chunks(rows, batch.lengths(), micro_batch_tokens) if micro_batch_tokens else groups
+    packed = infra.packing.token_budget_chunks(rows, batch.lengths(), micro_batch_tokens) if micro_batch_tokens \
+        else groups
     micro_batch_counts = infra.dist.gather_objects((len(packed), len(groups)))  # per rank: packed, after equalizing
     for micro in groups:
         micro_batch = batch.select(micro)

@@ -1,5 +1,5 @@
 """Per-token log-probs (common.head_logprobs, response_logprobs, engine_logprobs) and token-budget micro-batches
-(common.token_budget_chunks, micro_batches, batched)."""
+(infra.packing.token_budget_chunks, common.micro_batches, batched)."""
 import functools
 import math
 import random
@@ -9,6 +9,7 @@ import torch
 
 import common
 import infra.engine
+import infra.packing
 
 LN2 = math.log(2.0)
 
@@ -342,20 +343,21 @@ def test_token_budget_chunks_hand_computed():
     # 512 tokens more: the fewest micro-batches win. 0 and 2 cannot share (2 x 5 = 10 > 8), nor 2, 4 and 1
     # (3 x 4 = 12), so three at least: [0], [2, 4] (2 x 4 = 8), [1, 3] (2 x 2 = 4) is the only such split.
     lengths = {0: 5, 1: 2, 2: 4, 3: 1, 4: 3}
-    assert common.token_budget_chunks([0, 1, 2, 3, 4], lengths, 8) == [[0], [2, 4], [1, 3]]
+    assert infra.packing.token_budget_chunks([0, 1, 2, 3, 4], lengths, 8) == [[0], [2, 4], [1, 3]]
     # without the cost per micro-batch, every row alone computes no padding: 15 tokens, the least
-    assert common.token_budget_chunks([0, 1, 2, 3, 4], lengths, 8, overhead=0) == [[0], [2], [4], [1], [3]]
+    assert infra.packing.token_budget_chunks([0, 1, 2, 3, 4], lengths, 8, overhead=0) == [[0], [2], [4], [1], [3]]
 
 
 def test_token_budget_chunks_cut_where_padding_is_least():
     # Lengths 8, 5, 5, 4, 4, 4, budget 16, each micro-batch costing 2 tokens more. Filling each micro-batch in turn
     # gives [8, 5] (2 x 8 = 16), [5, 4, 4] (15), [4] (4): 35 tokens + 3 x 2 = 41. Cutting between unequal lengths,
     # [8], [5, 5], [4, 4, 4]: 8 + 10 + 12 = 30 tokens, no padding, + 3 x 2 = 36, the least.
-    assert common.token_budget_chunks(list(range(6)), [8, 5, 5, 4, 4, 4], 16, overhead=2) == [[0], [1, 2], [3, 4, 5]]
+    assert infra.packing.token_budget_chunks(list(range(6)), [8, 5, 5, 4, 4, 4], 16, overhead=2) == \
+        [[0], [1, 2], [3, 4, 5]]
 
 
 def test_token_budget_chunks_row_over_budget_goes_alone():
-    assert common.token_budget_chunks([0, 1, 2], [10, 3, 3], 8) == [[0], [1, 2]]
+    assert infra.packing.token_budget_chunks([0, 1, 2], [10, 3, 3], 8) == [[0], [1, 2]]
 
 
 def test_token_budget_chunks_prompt_response_pairs():
@@ -364,8 +366,8 @@ def test_token_budget_chunks_prompt_response_pairs():
     # [2, 0] 2 x (5 + 3) = 16: each alone. Budget 16: [1, 2] + [0] and [1] + [2, 0] both compute 22 tokens in two
     # micro-batches; the first split found stays.
     lengths = [(5, 1), (1, 5), (3, 3)]
-    assert common.token_budget_chunks([0, 1, 2], lengths, 12) == [[1], [2], [0]]
-    assert common.token_budget_chunks([0, 1, 2], lengths, 16) == [[1, 2], [0]]
+    assert infra.packing.token_budget_chunks([0, 1, 2], lengths, 12) == [[1], [2], [0]]
+    assert infra.packing.token_budget_chunks([0, 1, 2], lengths, 16) == [[1, 2], [0]]
 
 
 def test_token_budget_chunks_bound_the_selected_batch():
@@ -375,7 +377,7 @@ def test_token_budget_chunks_bound_the_selected_batch():
     batch = common.sequence_batch(prompts, responses, pad_id=0)
     rows = list(range(3, 40))  # a subset, like a mini-batch
     for budget in (40, 64, 200):
-        groups = common.token_budget_chunks(rows, batch.lengths(), budget)
+        groups = infra.packing.token_budget_chunks(rows, batch.lengths(), budget)
         assert sorted(i for group in groups for i in group) == rows
         for group in groups:
             assert len(group) == 1 or batch.select(group).input_ids.numel() <= budget
