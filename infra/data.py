@@ -16,6 +16,7 @@ import numpy as np
 
 from common import extract_answer
 from infra import UserError, answer_line, hub
+from infra.horizon import horizon_rows, parse_spec
 from infra.tiny import DIGITS, builtin_rows
 
 QUESTION_FIELDS = ("question", "problem", "prompt")
@@ -195,7 +196,6 @@ def builtin_digits(spec, flag="--dataset"):
     if text in ("early", "words", "words2", "words3"):
         return text
     if text.startswith("horizon"):
-        from infra.horizon import parse_spec
         parse_spec(text, flag)  # refused in one line if malformed
         return text
     bounds = text.split("-")
@@ -216,7 +216,9 @@ def load_rows(spec, split="train", n_builtin=None, seed=0, skip_bad_rows=False, 
     if answer_format not in ANSWER_FORMATS:
         raise UserError(f"--answer-format {answer_format!r}: use one of {', '.join(ANSWER_FORMATS)}")
     if spec == "builtin" or spec.startswith("builtin:"):  # questions without an instruction: boxed unless asked
-        rows = builtin_rows(split, n_builtin or 4096, seed, builtin_digits(spec, flag))
+        digits = builtin_digits(spec, flag)
+        rows = horizon_rows(split, n_builtin or 4096, seed, digits) if str(digits).startswith("horizon") else \
+            builtin_rows(split, n_builtin or 4096, seed, digits)
         if answer_format != "answer-line":
             return [dict(row, answer_format="boxed") for row in rows]
         return [{**row, **row_to_example(row, f"builtin[{i}]", answer_format=answer_format)}

@@ -185,11 +185,7 @@ def chain_word_problem(rng, split, operations):
 
 def builtin_rows(split, n, seed, digits=DIGITS):
     """n problems of `digits` digits, or of (low, high): each problem's digits drawn uniformly from low..high, or
-    with digits "early" the early_problem task, "words" the word_problem task, "words2"/"words3" chain_word_problem,
-    "horizon-k<K>-h<H>[-late]" infra.horizon's task."""
-    if isinstance(digits, str) and digits.startswith("horizon"):
-        from infra.horizon import horizon_rows
-        return horizon_rows(split, n, seed, digits)
+    with digits "early" the early_problem task, "words" the word_problem task, "words2"/"words3" chain_word_problem."""
     if digits == "words":
         rng = random.Random(f"{split}-{seed}-words")
         return [word_problem(rng, split) for _ in range(n)]
