@@ -15,7 +15,7 @@ from infra import UserError, dist
 from infra.cli import RunArgs, trainer_defaults, trainers
 from infra.memory_plan import (CPU_BASELINE, CUDA_80GB_GIB, GIB, PROMPT_TOKENS, QWEN3, ROLLOUT_AT_ONCE, Setup,  # noqa
                                Shape, _vllm_installed, fit, optimizer_temporaries, peak, plan, read_shape, setup_for,
-                               table, vllm_share)
+                               table, vllm_reserve, vllm_share)
 
 FALLBACK_SHARE = 0.3  # vLLM's share where no plan sizes it (a CPU run, an architecture the plan does not know)
 
