@@ -3,7 +3,7 @@ the arithmetic) when a real-model run starts (the tiny demo: with --gpu-memory-g
 run's own prompts (their longest, tokenized), refuses in one line naming flags that fit (never more GPUs than
 --gpus) a plan larger than the device or than this machine's available memory (a CPU run's whole plan; the host
 column), and hands the vLLM engine its share of the GPU (auto: what the trainer leaves). --plan-only stops there:
-exit 0 if it fits, 1 if not. `python -m infra.memory --table`: GPUs each method needs (docs/scaling.md).
+exit 0 if it fits, 1 if not. `python -m infra.memory --table`: GPUs each method needs (docs/memory.md).
 """
 import ctypes
 import dataclasses
