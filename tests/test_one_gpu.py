@@ -67,7 +67,7 @@ def one_gpu_commands():
     """[(argv without `python`, 'vllm' or 'hf')] of docs/usage.md's one-GPU block, its variables ($ONE_GPU,
     $CRITIC) expanded."""
     block = one_gpu_section().split("```bash\n", 1)[1].split("```", 1)[0].replace("\\\n", "")
-    variables = {f"${name}": shlex.split(value) for name, value in re.findall(r'^(\w+)="(.*)"$', block, re.M)}
+    variables = {f"${name}": shlex.split(value) for name, value in re.findall(r'^(\w+)="([^"]*)"', block, re.M)}
     commands = []
     for line in block.splitlines():
         if line.startswith("python "):
