@@ -159,23 +159,42 @@ def shard_model(model, compute_dtype):
     return model
 
 
-def pin_in_place(model, smallest=2 ** 20):
-    """Page-lock each offloaded float32 shard of at least `smallest` bytes where it lies (cudaHostRegister: exact
-    sizes, as SGLang and vLLM fixed the same rounding), so its unit's copy to the GPU runs at pinned speed. A smaller
-    one may share a page with another (a page registers once) and stays pageable, as does one that fails (one line
-    says so). Returns the bytes registered."""
-    cudart, registered, failed = torch.cuda.cudart(), {}, 0
+def pin_in_place(model, smallest=2 ** 20, page=4096):
+    """Page-lock each offloaded float32 shard of at least `smallest` bytes where it lies (cudaHostRegister, portable,
+    as torch's own checkpoint stager does: exact sizes, where SGLang and vLLM fixed the same rounding), so its unit's
+    copy to the GPU runs at pinned speed. A smaller shard, or one sharing a page with a registered one (a page
+    registers once), stays pageable; at the first failure (a runtime without it) the rest do too, in one line.
+    Never unregistered: the shards live as long as the run. Returns the bytes registered."""
+    storages = {}
     for parameter in model.parameters():
         storage = (parameter.to_local() if hasattr(parameter, "to_local") else parameter).untyped_storage()
-        if storage.nbytes() < smallest or storage.data_ptr() in registered:
+        if storage.nbytes() >= smallest:
+            storages[storage.data_ptr()] = storage.nbytes()
+    cudart, registered, last_page = torch.cuda.cudart(), 0, -1
+    for pointer, size in sorted(storages.items()):
+        if pointer // page <= last_page:
             continue
-        if int(cudart.cudaHostRegister(storage.data_ptr(), storage.nbytes(), 0)) == 0:  # cudaSuccess
-            registered[storage.data_ptr()] = storage.nbytes()
-        else:
-            failed += 1
-    if failed and rank() == 0:
-        print(f"--offload-optimizer: {failed} shards could not be page-locked; their copies run from pageable memory")
-    return sum(registered.values())
+        error = int(cudart.cudaHostRegister(pointer, size, 1))  # 1: cudaHostRegisterPortable
+        if error:
+            _clear_cuda_error()
+            if rank() == 0:
+                print(f"--offload-optimizer: page-locking the shards failed (cudaError {error}): their copies to the "
+                      f"GPU run from pageable memory")
+            break
+        registered, last_page = registered + size, (pointer + size - 1) // page
+    return registered
+
+
+def _clear_cuda_error():
+    """cudaGetLastError of the CUDA runtime torch loaded, so that a failed registration does not surface at the next
+    kernel launch's check (best effort: the runtime is found by its soname)."""
+    import ctypes
+    for name in ("libcudart.so.13", "libcudart.so.12"):
+        try:
+            ctypes.CDLL(name).cudaGetLastError()
+            return
+        except (OSError, AttributeError):
+            continue
 
 
 def compute_device(model):

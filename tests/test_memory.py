@@ -537,24 +537,37 @@ def test_offloaded_shards_are_page_locked_where_they_lie(monkeypatch, capsys):
     """Issue 57: FSDP2's pin_memory=True copies each offloaded shard into torch's caching host allocator, which rounds
     every block up to a power of two (1.35-1.6x for Qwen3-4B's tensors: 41.9 MB q_proj -> 64 MiB, 99.6 MB MLP
     matrices -> 128 MiB). shard_model asks CPUOffloadPolicy(pin_memory=False) (checked in a process of its own, on
-    CPU) and, on a GPU, page-locks the shards in place (pin_in_place: cudaHostRegister with their exact sizes): each
-    storage of 1 MiB or more once, a smaller one left pageable, a failure counted in one line."""
+    CPU) and, on a GPU, page-locks the shards in place (pin_in_place: cudaHostRegister, portable, their exact sizes):
+    each storage of 1 MiB or more once, in address order, none sharing a page with one registered before it, a
+    smaller one left pageable; at a failure the runtime's last error is cleared and the rest stay pageable, in one
+    line."""
+    import types
+
     import infra.dist
-    calls = []
+    calls, cleared, fail = [], [], [False]
 
     class Cudart:  # torch.cuda.cudart()'s cudaHostRegister: an error code, 0 for cudaSuccess
         def cudaHostRegister(self, pointer, size, flags):
             calls.append((pointer, size, flags))
-            return 0 if len(calls) < 3 else 712  # the third: cudaErrorHostMemoryAlreadyRegistered
+            return 801 if fail[0] else 0
     monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
-    model = torch.nn.Module()
-    model.big, model.small = torch.nn.Parameter(torch.zeros(2 ** 18)), torch.nn.Parameter(torch.zeros(10))
-    model.view = torch.nn.Parameter(model.big.data[:1000])  # the same storage as `big`: registered once
-    model.other, model.third = torch.nn.Parameter(torch.zeros(3 * 2 ** 18)), torch.nn.Parameter(torch.zeros(2 ** 18))
-    assert infra.dist.pin_in_place(model) == 4 * 2 ** 20  # big (1 MiB) and other (3 MiB): exact, not 1 + 4 MiB
-    assert [size for _, size, _ in calls] == [2 ** 20, 3 * 2 ** 20, 2 ** 20] and all(f == 0 for *_, f in calls)
-    assert capsys.readouterr().out == ("--offload-optimizer: 1 shards could not be page-locked; their copies run from "
-                                       "pageable memory\n")
+    monkeypatch.setattr(infra.dist, "_clear_cuda_error", lambda: cleared.append(True))
+
+    def shard(pointer, size):  # a parameter (a DTensor's local shard) whose storage lies at `pointer`
+        storage = types.SimpleNamespace(data_ptr=lambda: pointer, nbytes=lambda: size)
+        return types.SimpleNamespace(to_local=lambda: types.SimpleNamespace(untyped_storage=lambda: storage))
+    mib, base = 2 ** 20, 2 ** 30
+    model = types.SimpleNamespace(parameters=lambda: [
+        shard(base + 8 * mib, 3 * mib), shard(base, mib), shard(base, mib),  # a view: the same storage
+        shard(base + mib - 100, 2 * mib),  # its first page is the first shard's last: left pageable
+        shard(base + 16 * mib, 100)])  # small
+    assert infra.dist.pin_in_place(model) == 4 * mib
+    assert calls == [(base, mib, 1), (base + 8 * mib, 3 * mib, 1)] and not cleared and not capsys.readouterr().out
+    calls.clear()
+    fail[0] = True
+    assert infra.dist.pin_in_place(model) == 0 and len(calls) == 1 and cleared == [True]
+    assert capsys.readouterr().out == ("--offload-optimizer: page-locking the shards failed (cudaError 801): their "
+                                       "copies to the GPU run from pageable memory\n")
     check = ("import infra.dist, common; infra.dist.init_device('cpu', True); "
              "model = common.load_model('tiny', device='cpu')[0]; "
              "print(model._get_fsdp_state()._fsdp_param_group.offload_policy.pin_memory)")  # a private attribute
