@@ -108,10 +108,11 @@ def observe(trainer, report_path, argv, deterministic=False, measure=None):
     over the rollout's tokens (the engine records the processed distribution, the trainer the policy's at the
     sampling temperature); `nucleus`: over the tokens where top-p's term exceeds NUCLEUS_SHIFT, their count and
     the share of that term the engine's log-probs show (sum of engine - trainer over sum of the term: 1 when the
-    engine records the nucleus's log-probs, 0 when it ignores top-p). The harness measures at the rollout's sampling temperature with `measure` (a planted run
-    passes the unplanted function; default common.response_logprobs). deterministic: torch's deterministic
-    algorithms (an operation without one warns, in the log) and SDPA's math kernel (the memory-efficient kernel's
-    backward stays nondeterministic under warn_only), so that a resumed run can repeat a straight one exactly."""
+    engine records the nucleus's log-probs, 0 when it ignores top-p). The harness measures at the rollout's sampling
+    temperature with `measure` (a planted run passes the unplanted function; default common.response_logprobs).
+    deterministic: torch's deterministic algorithms (an operation without one warns, in the log) and SDPA's math
+    kernel (the memory-efficient kernel's backward stays nondeterministic under warn_only), so that a resumed run can
+    repeat a straight one exactly."""
     import torch
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 

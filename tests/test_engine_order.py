@@ -107,7 +107,8 @@ def test_the_recording_catches_a_pass_with_the_engine_awake(monkeypatch, tmp_pat
     old log-prob and reference passes run with the engine awake."""
     import grpo
     source = open(grpo.__file__).read()
-    line = "        generator.sleep()  # vLLM frees the GPU for the trainer's passes and the update (HF: nothing to free)\n"
+    line = ("        generator.sleep()  # vLLM frees the GPU for the trainer's passes and the update (HF: nothing to "
+            "free)\n")
     late = source.replace(line, "").replace("        # 4. Update:", line + "        # 4. Update:", 1)
     assert late != source and late.count("generator.sleep()") == 1
     (tmp_path / "late_grpo.py").write_text(late)
