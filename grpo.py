@@ -165,6 +165,7 @@ def main():
                                       [c.token_ids for c in completions], tokenizer.pad_token_id).to(run.device)
         mask = batch.response_mask
         rollout_seconds = time.time() - step_start
+        generator.sleep()  # vLLM frees the GPU for the trainer's passes and the update (HF: nothing to free)
         # 3. Old log-probs: the engine's where they are the trainer's own (--old-logprobs), else recomputed; the
         # reference's; advantages.
         if engine_old_logprobs:  # the same model and numbers up to float noise: no second forward pass
@@ -182,7 +183,6 @@ def main():
         if truncated_is:  # A_t times min(pi_trainer / pi_engine, cap): the engine sampled the rollout
             token_advantages = token_advantages * truncated_importance_weights(
                 old_logprobs, common.engine_logprobs(completions, mask.shape[1]).to(run.device), mask, args.tis_cap)
-        generator.sleep()  # vLLM frees its GPU memory for the update (HF: nothing to free)
         # 4. Update: `mini_batches` optimizer steps per epoch, gradients accumulated over micro-batches.
         update_start = time.time()
         for _ in range(args.epochs):

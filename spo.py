@@ -367,6 +367,7 @@ def main():
                                       tokenizer.pad_token_id).to(run.device)
         mask = batch.response_mask
         rollout_seconds = time.time() - step_start
+        generator.sleep()  # vLLM frees the GPU for the trainer's passes and the update (HF: nothing to free)
         # 3. Old log-probs: the engine's where they are the trainer's own (--old-logprobs), else recomputed; the
         # reference's; advantages.
         if engine_old_logprobs:  # the same model and numbers up to float noise: no second forward pass
@@ -380,8 +381,10 @@ def main():
                 batch, args.micro_batch_size, args.micro_batch_tokens)
         low_probability = probability_mask(old_logprobs, mask, args.prob_threshold)  # p_j at the sampling temperature
         if args.mode == "chain":  # Monte Carlo values at the cutpoints, with the policy before this update
+            generator.sync_weights(policy)  # the engine awake again (it slept after the rollout), the same weights
             token_advantages, extra = chain_mc_advantages(generator, tokenizer, sample_prompts, completions, rows,
                                                           rewards, old_logprobs, mask, args)
+            generator.sleep()  # the continuations done: the GPU back to the trainer for the update
         else:  # every token of an edge's segment carries the edge's advantage
             token_advantages = torch.tensor(advantages, device=run.device)[:, None] * mask
         loss_mask = low_probability if args.probability_mask else mask  # the probability mask
@@ -390,7 +393,6 @@ def main():
         if truncated_is:  # A_t times min(pi_trainer / pi_engine, cap): the engine sampled the rollout
             token_advantages = token_advantages * truncated_importance_weights(
                 old_logprobs, common.engine_logprobs(completions, mask.shape[1]).to(run.device), mask, args.tis_cap)
-        generator.sleep()  # vLLM frees its GPU memory for the update (HF: nothing to free)
         # 4. Update: `mini_batches` optimizer steps per epoch, gradients accumulated over micro-batches.
         update_start = time.time()
         for epoch in range(args.epochs):

@@ -10,7 +10,9 @@
 #
 # 1. Packages: nothing is installed when `import torch, transformers, tyro, math_verify` works. Else the wheels in
 #    --wheels (default .gpu-wheels) go into a folder of their own (pip install --no-index --no-deps --target), put
-#    first on PYTHONPATH; --force-wheels installs them even when the imports work (a check of the folder).
+#    first on PYTHONPATH; --force-wheels installs them even when the imports work (a check of the folder). Then each
+#    wheel's requirements are checked against what this machine has (a version too old, a package missing: one
+#    line naming them, exit 1), before anything imports them.
 # 2. python benchmarks/gpu_check.py --device DEVICE --out OUT, its parts in order of value: real-size updates
 #    (Qwen3-4B's width, 16,384-token micro-batches, with and without --offload-optimizer) against the memory plan;
 #    the six trainers 3 steps in bf16 on the tiny model, several at once; ppo.py in float32: exact ratios,
@@ -48,6 +50,7 @@ if [ "$FORCE_WHEELS" = 1 ] || ! "$PYTHON" -c "$imports" 2>/dev/null; then
     PIP_ROOT_USER_ACTION=ignore "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
         --target "$SITE" "$WHEELS"/*.whl || { echo "gpu_check: installing the wheels of $WHEELS failed" >&2; exit 1; }
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    "$PYTHON" benchmarks/gpu_check_runs.py requirements "$SITE" || exit 1  # one line: what the wheels need, missing
     "$PYTHON" -c "$imports" || { echo "gpu_check: '$imports' fails after installing $WHEELS" >&2; exit 1; }
     echo "installed $(ls "$WHEELS"/*.whl | wc -l) wheels from $WHEELS into $SITE in $((SECONDS - start)) s"
 fi

@@ -58,8 +58,9 @@ def trainers(check):
              "gap: mean / q99 / past 0.2 | direction by step | grad norm min | result |",
              "|---|---|---|---|---|---|---:|---|"]
     for name, r in check.part_results("trainers"):
+        label = r.get("label", f"{name}.py")
         if r.get("skipped"):
-            lines.append(f"| {name}.py | {NOT_RUN} | | | | | | |")
+            lines.append(f"| {label} | {NOT_RUN} | | | | | | |")
             continue
         steps = list(r["report"].values())
 
@@ -69,13 +70,18 @@ def trainers(check):
         directions = " ".join("-" if s.get("direction") is None else f"{s['direction']:+.2f}" for s in steps)
         rewards = " ".join(f"{x.get('reward', math.nan):.3f}" for x in r["records"])
         grad = min([x.get("grad_norm", math.nan) for x in r["records"]] or [math.nan])
-        lines.append(f"| {name}.py | {r['status']}, {r['seconds']:.0f} | {rewards} | {worst('ratio')} | "
+        lines.append(f"| {label} | {r['status']}, {r['seconds']:.0f} | {rewards} | {worst('ratio')} | "
                      f"{worst('gap')} | {directions or '-'} | {grad:.3g} | {verdict(r)} |")
     bounds = ", ".join(f"{k} <= {v:.2g}" for k, v in rules["BF16_BOUNDS"].items())
     return lines + ["", f"At every step (the worst shown): reward > 0, grad norm > 0, every figure finite; abs(ratio - "
-                        f"1) and the engine/trainer log-prob gap: {bounds} (clipped: the fraction of tokens past "
-                        f"0.2). Over the run: the mean direction (the correlation of reward with the update's change "
-                        f"of a sample's log-prob) > {rules['DIRECTION_MIN']}."]
+                        f"1) and the engine/trainer log-prob gap (top-p's term allowed for): {bounds} (clipped: the "
+                        f"fraction of tokens past 0.2); that ratio's mean at most {rules['FRESH_FRACTION']:.2f} of "
+                        f"the update's mean token change (stale old log-probs); at top-p < 1 the engine's log-probs "
+                        f"showing at least {rules['NUCLEUS_EXPLAINED']} of top-p's term; the policy loss blind to "
+                        f"padding; no gradient where the clip binds. Over the run: the mean direction (the "
+                        f"correlation of reward with the update's change of a sample's log-prob) > "
+                        f"{rules['DIRECTION_MIN']}, the mean change of a sample's log-prob >= "
+                        f"{rules['CHANGE_MIN']}."]
 
 
 def compare(check):

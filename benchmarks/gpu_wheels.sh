@@ -9,7 +9,9 @@
 # and gymnasium (frozenlake_demo.py only). All are pure Python (py3-none-any), pinned to the versions this project
 # is tested with, downloaded without their dependencies (--no-deps): each needed one not on the machine is listed
 # below (typing-extensions, sympy, numpy and cloudpickle are there). gpu_check.sh installs them with
-# `pip install --no-index --no-deps --target` only when `import tyro, math_verify` fails there.
+# `pip install --no-index --no-deps --target` only when `import tyro, math_verify` fails there, then checks their
+# requirements against that machine's own versions (typeguard needs typing_extensions >= 4.14): one line names what
+# is missing. The last line here lists what the wheels need from the machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=${1:-.gpu-wheels}
@@ -34,3 +36,25 @@ if [ "$kib" -gt $((64 * 1024)) ]; then
     echo "$DEST is over 64 MiB: the device tool carries at most 64 MiB with the working tree" >&2
     exit 1
 fi
+# What the wheels need from the GPU machine itself (Python 3.12, extras aside), in one line: gpu_check.sh checks
+# these there, once installed, before anything imports them (benchmarks/gpu_check_runs.py requirements).
+python3 - "$DEST" <<'PYTHON'
+import glob, re, sys, zipfile
+from packaging.requirements import Requirement
+def name(text):
+    return re.sub(r"[-_.]+", "-", text).lower()
+wheels = glob.glob(sys.argv[1] + "/*.whl")
+carried = {name(wheel.rsplit("/", 1)[1].split("-")[0]) for wheel in wheels}
+needs = set()
+for wheel in wheels:
+    with zipfile.ZipFile(wheel) as archive:
+        text = archive.read(next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    for line in re.findall(r"^Requires-Dist: (.+)$", text, re.M):
+        requirement = Requirement(line)
+        marker = requirement.marker
+        if marker and not marker.evaluate({"extra": "", "python_version": "3.12", "python_full_version": "3.12.3"}):
+            continue
+        if name(requirement.name) not in carried:
+            needs.add(f"{requirement.name}{requirement.specifier} ({wheel.rsplit('/', 1)[1].split('-')[0]})")
+print("needed from the GPU machine itself: " + (", ".join(sorted(needs)) or "nothing"))
+PYTHON

@@ -141,16 +141,60 @@ def shard_model(model, compute_dtype):
     (embeddings, final norm, heads). Parameters stay float32; forward and backward run in `compute_dtype`. With
     --offload-optimizer, CPUOffloadPolicy: the float32 shards, their gradients and so the AdamW states (built from
     model.parameters()) live in host memory; each unit is copied to the device for its forward and backward, and
-    the optimizer steps on the CPU."""
+    the optimizer steps on the CPU. Not FSDP2's pin_memory=True: it copies each shard into torch's caching host
+    allocator, which rounds every block up to a power of two (aten/src/ATen/core/CachingHostAllocator.h; 1.35-1.6x
+    for Qwen3-4B's tensors, pytorch/pytorch#150517); torch 2.13's pinned_max_round_threshold_mb would stop that, 2.11
+    and 2.12 have no such option. The shards are page-locked where they lie instead (pin_in_place); the gradients go
+    to pageable memory."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     precision = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if _offload_device else OffloadPolicy()
+    offload = CPUOffloadPolicy(pin_memory=False) if _offload_device else OffloadPolicy()
     layer_names = set(getattr(model, "_no_split_modules", None) or [])
     for module in model.modules():
         if type(module).__name__ in layer_names:
             fully_shard(module, mp_policy=precision, offload_policy=offload)
     fully_shard(model, mp_policy=precision, offload_policy=offload)
+    if _offload_device and torch.cuda.is_available():
+        pin_in_place(model)
     return model
+
+
+def pin_in_place(model, smallest=2 ** 20, page=4096):
+    """Page-lock each offloaded float32 shard of at least `smallest` bytes where it lies (cudaHostRegister, portable,
+    as torch's own checkpoint stager does: exact sizes, where SGLang and vLLM fixed the same rounding), so its unit's
+    copy to the GPU runs at pinned speed. A smaller shard, or one sharing a page with a registered one (a page
+    registers once), stays pageable; at the first failure (a runtime without it) the rest do too, in one line.
+    Never unregistered: the shards live as long as the run. Returns the bytes registered."""
+    storages = {}
+    for parameter in model.parameters():
+        storage = (parameter.to_local() if hasattr(parameter, "to_local") else parameter).untyped_storage()
+        if storage.nbytes() >= smallest:
+            storages[storage.data_ptr()] = storage.nbytes()
+    cudart, registered, last_page = torch.cuda.cudart(), 0, -1
+    for pointer, size in sorted(storages.items()):
+        if pointer // page <= last_page:
+            continue
+        error = int(cudart.cudaHostRegister(pointer, size, 1))  # 1: cudaHostRegisterPortable
+        if error:
+            _clear_cuda_error()
+            if rank() == 0:
+                print(f"--offload-optimizer: page-locking the shards failed (cudaError {error}): their copies to the "
+                      f"GPU run from pageable memory")
+            break
+        registered, last_page = registered + size, (pointer + size - 1) // page
+    return registered
+
+
+def _clear_cuda_error():
+    """cudaGetLastError of the CUDA runtime torch loaded, so that a failed registration does not surface at the next
+    kernel launch's check (best effort: the runtime is found by its soname)."""
+    import ctypes
+    for name in ("libcudart.so.13", "libcudart.so.12"):
+        try:
+            ctypes.CDLL(name).cudaGetLastError()
+            return
+        except (OSError, AttributeError):
+            continue
 
 
 def compute_device(model):

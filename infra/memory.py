@@ -3,7 +3,7 @@ the arithmetic) when a real-model run starts (the tiny demo: with --gpu-memory-g
 run's own prompts (their longest, tokenized), refuses in one line naming flags that fit (never more GPUs than
 --gpus) a plan larger than the device or than this machine's available memory (a CPU run's whole plan; the host
 column), and hands the vLLM engine its share of the GPU (auto: what the trainer leaves). --plan-only stops there:
-exit 0 if it fits, 1 if not. `python -m infra.memory --table`: GPUs each method needs (docs/scaling.md).
+exit 0 if it fits, 1 if not. `python -m infra.memory --table`: GPUs each method needs (docs/memory.md).
 """
 import ctypes
 import dataclasses
@@ -15,7 +15,7 @@ from infra import UserError, dist
 from infra.cli import RunArgs, trainer_defaults, trainers
 from infra.memory_plan import (CPU_BASELINE, CUDA_80GB_GIB, GIB, PROMPT_TOKENS, QWEN3, ROLLOUT_AT_ONCE, Setup,  # noqa
                                Shape, _vllm_installed, fit, optimizer_temporaries, peak, plan, read_shape, setup_for,
-                               table, vllm_share)
+                               table, vllm_reserve, vllm_share)
 
 FALLBACK_SHARE = 0.3  # vLLM's share where no plan sizes it (a CPU run, an architecture the plan does not know)
 

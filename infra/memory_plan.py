@@ -1,11 +1,9 @@
-"""The memory plan's arithmetic: what one GPU (or a CPU run's process) holds during a run, from the model's
-config.json (a hub model's fetched alone when it is not on disk: infra.hub.config_folder), the method (policy; critic
-on its --critic-model backbone; a frozen reference when --kl-coef > 0), the ranks (FSDP2 shards weights, gradients and
-AdamW states), the dtype policy (float32 weights and AdamW states, bf16 compute), gradient checkpointing, the
-micro-batch, and the rollout engine: vLLM's share of the GPU (auto: what the trainer leaves, vllm_share) or the
-Hugging Face engine's KV cache for the run's own generate calls. infra/memory.py prints and checks it.
-Estimates from shapes, compared with measured CPU peaks by benchmarks/rehearsal.py and, term by term, with the live
-tensor bytes of benchmarks/rehearsal.py --terms (docs/scaling.md); not yet with a measured GPU peak."""
+"""The memory plan's arithmetic: what one GPU (or a CPU run's process) and its host hold during a run, from the
+model's config.json (infra.hub.config_folder), the method's models, the ranks (FSDP2 shards), the dtype policy,
+checkpointing, the micro-batch and the rollout engine (vLLM's share: auto, what the trainer leaves; or the HF engine's
+KV cache). The trainer's passes (old log-probs, reference, critic) run with the engine asleep: the update column.
+infra/memory.py prints and checks it. Compared with CPU peaks and live tensor bytes (benchmarks/rehearsal.py,
+docs/memory.md); not yet with a measured GPU peak."""
 import dataclasses
 import math
 
@@ -13,25 +11,34 @@ from infra import dist
 
 GIB = 2 ** 30
 PROMPT_TOKENS = 1024  # allowance for a prompt where the run's own are not known (a hub dataset offline, no tokenizer)
-OVERHEAD = GIB  # CUDA context, cuBLAS/NCCL workspaces: an assumption, not measured
+# Each GPU term names its source; docs/memory.md lists what only a GPU can confirm. Outside PyTorch's allocator:
+CUDA_CONTEXT = GIB // 2  # CUDA context, kernels: 300-400 MB (pytorch/pytorch#20532), ~300 MB lazily loaded (#107667)
+NCCL_ONE, NCCL_RANKS = GIB, 2 * GIB  # NCCL's buffers where models are sharded: a world of one (--offload-optimizer)
+# 996 MiB at set-up (NVIDIA/nccl PR 2366; nccl#2363: a 512 MiB buffer, torch 2.11 + CUDA 13); several ranks ~1.6 GB
+# for one communicator with an all-reduce (NVIDIA/nccl#864), and vLLM's groups beside it
+HOST_BASELINE = 2 * GIB  # a GPU process's own host memory: 1.9 GB resident for one small CUDA op (pytorch#12873)
 CPU_BASELINE = GIB // 3  # a CPU run's process before its models: Python, torch, transformers (measured: 0.32 GiB)
-CPU_HEAP_SLACK = 0.15  # a CPU run's freed blocks that glibc keeps, over its live bytes (benchmarks/rehearsal.py:
-# measured 10-35% with keep_freed_host_memory, more at small shapes; not derived, fitted)
+CPU_HEAP_SLACK = 0.15  # a CPU run's freed blocks glibc keeps, over its live bytes (rehearsal.py: 10-35%; fitted)
 HF_ENGINE_BATCH = 256  # sequences per Hugging Face generate call: --hf-batch-size's default (HFGenerator batch_size)
 HEAD_SLICE = 2 ** 24  # logits of one vocabulary slice in common.head_logprobs (its chunk_elements; >= 256 columns)
-VLLM_RESERVE = 2 * GIB  # vLLM's memory besides weights and KV cache (profiled activations, CUDA graphs, sampler):
-# an assumption, not measured
+# vLLM 0.32 inside its share, besides weights and KV cache (v1/worker/gpu_worker.py determine_available_memory):
+VLLM_MAX_SEQS = 1024  # its max_num_seqs on an H100/H200 (engine/arg_utils.py); the start-up profile samples (top-k,
+# top-p) from that many rows of float32 logits (gpu_model_runner.py _dummy_sampler_run): logits, a sort's values and
+# int64 indices, probabilities, their sum: 24 bytes an entry (read, not measured: vLLM does not reach the GPU check)
+VLLM_GRAPHS = 3 * GIB // 4  # its CUDA graphs at the default capture sizes: 0.52 GiB for Qwen3-8B (LMCache/
+# LMCache#3430), 0.58 and 0.73 GiB in other start-up logs (wtdcode/vllm-backport#34, vllm-project/vllm#39559)
 SHARE_MARGIN, MAX_SHARE = 0.05, 0.9  # auto vLLM share: the GPU the trainer leaves, less 5%; at most vLLM's default
-# vLLM 0.32 asleep (level 2, vllm_engine.py): sleep_mode_backend.py CuMemBackend.suspend drops weights and KV cache,
-# copies its "runtime" and "cudagraph" pools to the host; what it allocated outside them stays (NCCL buffers,
-# bookkeeping). NeMo-RL saw 774 MiB left at tensor parallel 1 (NVIDIA-NeMo/RL#223). Assumed: 1 GiB GPU, 1 GiB host.
-VLLM_ASLEEP, VLLM_ASLEEP_HOST = GIB, GIB
-ADAM_FOREACH = 4  # bytes a parameter: torch's foreach AdamW (optim/adam.py _multi_tensor_adam, on CUDA, DTensors too)
-# makes _foreach_sqrt(exp_avg_sqs) of every parameter at once; the for-loop path (CPU, offloaded) two float32 copies of
-# the largest tensor. Measured (benchmarks/rehearsal.py --terms): 4.000 bytes a parameter; 8.000 x the largest tensor
-ROLLOUT_AT_ONCE = 8  # "fits": the engine holds 1/8 of the rank's training rollout at full length (docs/scaling.md)
-FRAGMENTATION = 0.1  # the CUDA caching allocator's reserved-but-unallocated share of a phase's transient bytes:
-# assumed (OOM messages quote 0.5-14% of allocated); a CPU run has CPU_HEAP_SLACK instead
+# vLLM asleep (level 2): CuMemBackend.suspend (sleep_mode_backend.py) drops weights and KV cache, copies its "runtime"
+# and "cudagraph" pools (~VLLM_GRAPHS) to pinned memory (cumem.py), blocks torch's host allocator rounds up to a power
+# of two (CachingHostAllocator.h): 2 GiB; on the GPU what it allocated outside them, 774 MiB at TP 1 (NeMo/RL#223)
+VLLM_ASLEEP, VLLM_ASLEEP_HOST = GIB, 2 * GIB
+ADAM_FOREACH = 4  # bytes a parameter: foreach AdamW (_multi_tensor_adam: CUDA, DTensors too) sqrt's every second
+# moment at once; the for-loop path (CPU) two float32 copies of the largest tensor (rehearsal.py --terms: 4.000, 8.000)
+ROLLOUT_AT_ONCE = 8  # "fits": the engine holds 1/8 of the rank's training rollout at full length (docs/memory.md)
+FRAGMENTATION = 0.1  # the CUDA caching allocator's reserved-but-unallocated share of a phase's transient bytes: OOM
+# messages quote 0.5% (vllm#27508), 6% (ali-vilab/VACE#56), 14% (levihsu/OOTDiffusion#235), 60% (minerva4ai-eu/
+# minerva-benchmarks#42) of allocated: the GPU check's reserved / plan measures it. 0 in the rollout: the engine wakes
+# after torch.cuda.empty_cache() (vllm_engine.py), no transient block held. A CPU run: CPU_HEAP_SLACK
 CUDA_80GB_GIB = 79.11  # an "80 GB" H100 to CUDA (torch's OOM: "total capacity of 79.11 GiB", vllm-project/vllm#27508;
 # nvidia-smi's 81,559 MiB, NVIDIA/nccl#1264, is 79.6 GiB)
 QWEN3 = {  # published config.json: hidden, layers, heads, KV heads, head_dim, intermediate, vocab, tied embeddings
@@ -71,9 +78,8 @@ class Shape:
 
 
 def read_shape(name):
-    """(Shape, None) from the config.json of --model `name` (a local folder, the built-in model, or a hub model: its
-    config.json alone, fetched when not yet in the cache); (None, why not) for an architecture the plan does not
-    know. A hub model that cannot be reached raises infra.hub's one-line refusal."""
+    """(Shape, None) from the config.json of --model `name` (a folder, the built-in model, a hub model's config.json
+    alone); (None, why not) for an architecture the plan does not know. An unreachable hub raises infra.hub's line."""
     from transformers import AutoConfig
 
     from infra.hub import config_folder
@@ -105,8 +111,7 @@ class Setup:
     cpu: bool = False  # a CPU run: the plan is of the process's resident memory, its baseline for the CUDA context
     rows: int = 0  # sequences per micro-batch (--micro-batch-size); 0: packed by tokens (--micro-batch-tokens)
     prompt_tokens: int = PROMPT_TOKENS  # the prompt part of `sequence`: the run's longest, else the allowance
-    generated: tuple = (HF_ENGINE_BATCH, PROMPT_TOKENS + 8192)  # the run's largest generate call per rank (sequences,
-    # tokens each: prompt + its response limit)
+    generated: tuple = (HF_ENGINE_BATCH, PROMPT_TOKENS + 8192)  # its largest generate call per rank: (rows, tokens)
     engine_batch: int = HF_ENGINE_BATCH  # HF engine: sequences per generate call (--hf-batch-size)
     auto_share: bool = False  # vLLM's share is what the trainer leaves (--gpu-memory-utilization 0): fitted by fit()
     rollout: int = 512  # training sequences per rank and step (prompts x samples / ranks), `sequence` tokens each
@@ -122,19 +127,14 @@ class Setup:
 
 def training_pass(shape, value_head, setup):
     """(compute copies, activations, logits, gradient buffers, layer backward) in bytes of one micro-batch's forward
-    and backward through a trained model. Per token, one decoder layer saves for backward: its two RMSNorms' float32
-    input and normalized copy (2 x 8h), the normed inputs of the projections in the compute dtype (2bh), q/k norms in
-    float32 (8(q + kv)), SDPA's q and k, v repeated to all heads, its output and o_proj's input (5bq; a padding mask
-    rules out SDPA's own GQA), the MLP's gate, up, SiLU(gate) and product (4bI). Logits: common.head_logprobs over
-    the N positions whose log-probs are taken (the response columns, or every token when packed by tokens): one
-    vocabulary slice's float32 logits and a temporary of their size (8 bytes x N x its columns, HEAD_SLICE / N but at
-    least 256) and the hidden states' casts and gradient (8Nh); no [N, V] tensor. Gradient buffers, from the second
-    micro-batch on: one process: a tied LM head's float32 gradient held until the embedding's own arrives at the end
-    of the backward pass, and that one (2 x 4Vh; untied or a value head: 4Vh); FSDP2: the root unit's (embeddings,
-    norm, head) gradient in the compute dtype and its float32 reduce-scatter input ((b + 4) x its parameters). Layer
-    backward: above a layer's saved tensors, the gradients of the MLP product's two factors (2bI a token). Measured
-    (benchmarks/rehearsal.py --terms, live bytes on CPU): plan / measured 1.00-1.14 for the layer backward, 0.99-1.12
-    with the recomputed saved tensors, 1.00 for FSDP2's root unit (8 Vh in bf16 with its gathered weights)."""
+    and backward through a trained model. A decoder layer saves per token: two RMSNorms' float32 input and output
+    (16h), the projections' inputs (2bh), q/k norms (8(q + kv)), SDPA's q, repeated k and v, output, o_proj's input
+    (5bq), the MLP's gate, up, SiLU and product (4bI). Logits (common.head_logprobs over N positions): a vocabulary
+    slice's float32 logits and a temporary (8N x max(256, HEAD_SLICE / N) columns), the hidden states' casts and
+    gradient (8Nh). Gradient buffers: one process, a tied head's float32 gradient beside the embedding's (8Vh;
+    else 4Vh); FSDP2, the root unit's gradient and float32 reduce-scatter input ((b + 4) x its parameters). Layer
+    backward: the MLP product's factors' gradients (2bI a token). Against live bytes on CPU (benchmarks/rehearsal.py
+    --terms): 1.00-1.14 (layer backward), 0.99-1.12 (with recomputed saved tensors), 1.00 (FSDP2's root unit)."""
     h, b, tokens, sharded = shape.hidden, setup.compute_bytes, setup.tokens, setup.ranks > 1 or setup.offload
     q, kv, layer = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.layer_parameters()
     root = shape.parameters(value_head) - shape.layers * layer  # embeddings, final norm, LM or value head
@@ -155,9 +155,8 @@ def training_pass(shape, value_head, setup):
 
 
 def optimizer_temporaries(setup):
-    """Bytes AdamW's step allocates beyond its states, per GPU (offloaded or a CPU run: in host memory): torch's
-    foreach path on CUDA, ADAM_FOREACH bytes a parameter; the for-loop path on CPU, two float32 tensors of the
-    largest parameter (an embedding, a shard of it under FSDP2). Each optimizer steps alone: the largest model's."""
+    """Bytes AdamW's step allocates beyond its states (offloaded or a CPU run: host memory): on CUDA ADAM_FOREACH a
+    parameter; on CPU two float32 copies of the largest tensor (shard). Each optimizer steps alone: the largest's."""
     def largest(shape):
         return max(shape.vocab * shape.hidden, shape.hidden * shape.intermediate)
     trained = [(shape, head) for _, shape, head, train in setup.models if train]
@@ -184,9 +183,8 @@ def plan(setup):
     elif setup.engine == "vllm":  # asleep at level 2 in the update: VLLM_ASLEEP left on the GPU, its pools on the host
         engine = (VLLM_ASLEEP, setup.engine_bytes, VLLM_ASLEEP_HOST)
         engine_what = f"vLLM, {setup.engine_bytes / GIB:.1f} GiB share (asleep in the update: 1 GiB kept)"
-    else:  # a whole policy copy when the policy is sharded, else autocast's casts of its matmul weights kept for the
-        # generate call (bf16); the KV cache of one generate call and sampling's float32 [rows, V] logits, a copy,
-        # softmax and log-softmax
+    else:  # a whole policy copy when sharded, else autocast's bf16 casts kept for the call; the KV cache of one call,
+        # sampling's float32 [rows, V] logits, a copy, softmax and log-softmax
         b, copy = setup.compute_bytes, setup.compute_bytes * policy.parameters() * (ranks > 1 or setup.offload)
         casts = 0 if copy or b == 4 else b * (policy.layers * policy.layer_parameters() + policy.vocab * policy.hidden)
         rows, length = setup.hf_rows(), setup.generated[1]
@@ -202,10 +200,8 @@ def plan(setup):
             ("compute copies", "bf16 weights in use (autocast casts or FSDP units)", compute, 0, 0),
             ("activations", f"{setup.tokens:,} tokens per micro-batch, {layers}", activations, 0, 0),
             ("logits", "LM head a vocabulary slice at a time (common.head_logprobs)", logits, 0, 0),
-            ("grad buffers", "the embedding's gradients before accumulation (FSDP: and reduce-scatter)", buffers, 0,
-             0),
-            ("layer backward", "one layer's MLP gradients above its saved tensors (2 x bytes x I a token)", backward,
-             0, 0),
+            ("grad buffers", "the embedding's gradients before accumulation (FSDP: and reduce-scatter)", buffers, 0, 0),
+            ("layer backward", "one layer's MLP gradients above its saved tensors (2bI a token)", backward, 0, 0),
             ("optimizer step", f"AdamW's temporaries ({temporaries / GIB:.1f} GiB) beyond the pass's rows", step, 0,
              temporaries * host_step),
             ("engine", engine_what, *engine)]
@@ -213,9 +209,11 @@ def plan(setup):
         return rows + [("overhead", f"Python, torch; {CPU_HEAP_SLACK:.0%} freed blocks kept (CPU)", *(
             CPU_BASELINE + CPU_HEAP_SLACK * sum(row[column] for row in rows) for column in (2, 3)), 0)]
     transient = sum(row[2] for row in rows[3:9]), engine[1] if setup.engine == "hf" else 0
-    return rows + [("fragmentation", f"{FRAGMENTATION:.0%} of the phase's transient bytes (assumed)",
+    nccl = NCCL_RANKS if ranks > 1 else NCCL_ONE if setup.offload else 0  # where models are sharded
+    return rows + [("fragmentation", f"{FRAGMENTATION:.0%} of the phase's transient bytes (OOM logs: 0.5-60%)",
                     *(FRAGMENTATION * part for part in transient), 0),
-                   ("overhead", "CUDA context, workspaces (assumed)", OVERHEAD, OVERHEAD, 0)]
+                   ("overhead", f"CUDA context, NCCL {nccl / GIB:.0f} GiB; host: the process",
+                    *(CUDA_CONTEXT + nccl,) * 2, HOST_BASELINE)]
 
 
 def peak(rows):
@@ -230,25 +228,29 @@ def table(rows, title):
         f"  {name:<15}{what[:76]:<76}{u / GIB:>9.1f}{r / GIB:>9.1f}{h / GIB:>9.1f}" for name, what, u, r, h in rows])
 
 
+def vllm_reserve(shape):
+    """vLLM's share less weights and KV cache: its profile's sampler (VLLM_MAX_SEQS rows) and CUDA graphs."""
+    return 24 * VLLM_MAX_SEQS * shape.vocab + VLLM_GRAPHS
+
+
 def vllm_share(setup, gpu_bytes):
     """(share, KV cache bytes) of the auto --gpu-memory-utilization on a GPU of `gpu_bytes`: what the trainer leaves
-    in the rollout phase (the plan's rollout column without vLLM: weights and AdamW states unless offloaded, the
-    CUDA context), less SHARE_MARGIN of the GPU, at most MAX_SHARE, in hundredths; the KV cache is that share less
-    vLLM's bf16 policy weights and VLLM_RESERVE."""
+    in the rollout phase (the plan's rollout column without vLLM), less SHARE_MARGIN of the GPU, at most MAX_SHARE,
+    in hundredths; the KV cache is that share less vLLM's bf16 policy weights and vllm_reserve."""
     trainer = sum(row[3] for row in plan(dataclasses.replace(setup, engine="vllm", engine_bytes=0)))
     share = min(MAX_SHARE, math.floor(100 * ((gpu_bytes - trainer) / gpu_bytes - SHARE_MARGIN)) / 100)
-    return share, share * gpu_bytes - 2 * setup.models[0][1].parameters() - VLLM_RESERVE
+    policy = setup.models[0][1]
+    return share, share * gpu_bytes - 2 * policy.parameters() - vllm_reserve(policy)
 
 
 def fit(setup, limit, gpu_bytes):
     """(setup, None) when the plan fits GPUs of `limit` bytes free and `gpu_bytes` in all, else (setup, why not): a
-    peak above the limit, or a vLLM KV cache that holds less than the longest generate call's one sequence or, with an
-    auto share (fitted here: what the trainer leaves), fewer than Setup.at_once() training sequences."""
+    peak above the limit, a vLLM KV cache short of one sequence or, auto share (fitted here), of Setup.at_once()."""
     problem, policy = None, setup.models[0][1]
     if setup.engine == "vllm" and gpu_bytes and not setup.cpu:
         share = vllm_share(setup, gpu_bytes)[0] if setup.auto_share else setup.engine_bytes / gpu_bytes
         setup = dataclasses.replace(setup, engine_bytes=max(share, 0.0) * gpu_bytes)
-        kv = max(share * gpu_bytes - 2 * policy.parameters() - VLLM_RESERVE, 0)
+        kv = max(share * gpu_bytes - 2 * policy.parameters() - vllm_reserve(policy), 0)
         held, need = int(kv // policy.kv_bytes(setup.sequence)), setup.at_once() * setup.auto_share
         longest = max(setup.sequence, setup.generated[1])
         if held < need or kv < policy.kv_bytes(longest):
@@ -262,9 +264,8 @@ def fit(setup, limit, gpu_bytes):
 
 
 def setup_for(args, device, gpu_bytes, prompt_tokens=PROMPT_TOKENS, eval_rows=0):
-    """(Setup, None) for a trainer's parsed args, or (None, why not). gpu_bytes: the GPU's memory (0: a CPU run).
-    prompt_tokens: the run's longest prompt (else the allowance); eval_rows: its largest held-out set (0: not known).
-    --gpu-memory-utilization 0 (auto) on a GPU: vLLM's share from vllm_share."""
+    """(Setup, None) for a trainer's parsed args, or (None, why not). gpu_bytes: the GPU's memory (0: a CPU run);
+    prompt_tokens: the run's longest prompt; eval_rows: its largest held-out set (0: not known)."""
     policy, why = read_shape(args.model)
     critic, why = (read_shape(args.critic_model) if getattr(args, "critic_model", "") else (policy, why)) \
         if policy else (None, why)

@@ -8,6 +8,7 @@ package. vLLM changes this API often: move the pins only after checking these ca
 """
 import contextlib
 import logging
+import math
 import os
 import random
 
@@ -113,6 +114,18 @@ def _process_state_kept():
                 os.environ.pop("LD_PRELOAD", None)
 
 
+def capped_share(share, free, total, headroom=0.01):
+    """vLLM's share at most the GPU's `free` bytes when it starts, less `headroom` (ours: its process groups, NCCL's
+    buffers under torchrun, come first, v1/worker/gpu_worker.py init_device), in hundredths: vLLM refuses a share x
+    total above the free memory it measures (v1/worker/utils.py request_memory). Capped, its KV cache is smaller
+    than the plan's (the rollout runs in more waves): one line says so."""
+    most = math.floor(100 * (free / total - headroom)) / 100
+    if share > most:
+        print(f"vLLM: {share:.2f} of the GPU asked, {free / GIB:.1f} of its {total / GIB:.1f} GiB free at the engine's "
+              f"start: its share capped at {most:.2f} (a KV cache smaller than the memory plan's)")
+    return min(share, most)
+
+
 class _NotLoaded(logging.Handler):
     """Records reload_weights' warning that some of the engine's parameters are in no checkpoint tensor handed to it
     (model_executor/model_loader/reload/inplace.py: "Following weights were not loaded from checkpoint")."""
@@ -151,8 +164,7 @@ class VLLMGenerator:
         with _process_state_kept():
             from vllm import LLM
             from vllm.platforms import current_platform
-            # Sleep mode: CUDA, ROCm and XPU only (platforms/interface.py is_sleep_mode_available; config/model.py
-            # refuses enable_sleep_mode elsewhere).
+            # Sleep mode: CUDA, ROCm, XPU (platforms/interface.py; config/model.py refuses enable_sleep_mode elsewhere)
             self.sleep_mode = current_platform.is_sleep_mode_available()
             if not self.sleep_mode:
                 print(f"vLLM: no sleep mode on {current_platform.device_type}: the engine keeps its memory during "
@@ -162,10 +174,12 @@ class VLLMGenerator:
             # 30 s per engine start for the tiny model, platforms/cpu.py; its cache is not reused by the next start).
             cpu = dict(kv_cache_memory_bytes=int(kv_cache_gib * GIB), enforce_eager=True) \
                 if current_platform.is_cpu() else {}
-            # Under torchrun: one engine per rank on its own prompts (external_launcher with data_parallel_size =
-            # ranks: config/parallel.py sets the DP rank from RANK, v1/executor/uniproc_executor.py
-            # ExecutorWithExternalLauncher joins the trainer's process group; as vLLM's
-            # examples/features/torchrun/torchrun_dp_example_offline.py).
+            if current_platform.device_type == "cuda":  # what the trainer's set-up cached goes back to the driver
+                torch.cuda.empty_cache()  # first: the share is capped at what is then free
+                gpu_memory_utilization = capped_share(gpu_memory_utilization, *torch.cuda.mem_get_info())
+            # Under torchrun: one engine per rank on its own prompts (external_launcher, data_parallel_size = ranks:
+            # config/parallel.py takes the DP rank from RANK, uniproc_executor.py's ExecutorWithExternalLauncher joins
+            # the trainer's group; as examples/features/torchrun/torchrun_dp_example_offline.py).
             ranks = dict(distributed_executor_backend="external_launcher", data_parallel_size=dist.world_size()) \
                 if dist.distributed() else {}
             path = model.name_or_path  # the checkpoint the trainer loaded: architecture, config, tokenizer
@@ -236,13 +250,11 @@ class VLLMGenerator:
         return completions
 
     def sleep(self):
-        """Free the engine's GPU memory for the update: level 2 drops the weights without a copy (sync_weights
-        writes every one of them after the update) and the KV cache, prefix cache included (LLM.sleep ->
-        v1/engine/core.py EngineCore.sleep: pauses the scheduler, then v1/worker/gpu_worker.py Worker.sleep, which
-        first keeps a host copy of the model's buffers, such as the rotary cos/sin cache that no checkpoint holds,
-        and puts them back when the weights wake). Level 1 would copy the weights to host memory and back, for
-        sync_weights to overwrite them; it is kept for a model some of whose parameters no sync writes (sync_weights
-        notices). Until sync_weights, generate() refuses. Nothing where the platform has no sleep mode."""
+        """Free the engine's GPU memory for the trainer: level 2 drops the weights without a copy (sync_weights
+        writes every one) and the KV cache (LLM.sleep -> v1/engine/core.py EngineCore.sleep pauses the scheduler;
+        v1/worker/gpu_worker.py Worker.sleep keeps a host copy of the buffers no checkpoint holds, the rotary cos/sin
+        cache). Level 1, which copies the weights to host memory and back, is kept for a model with parameters no
+        sync writes (sync_weights notices). generate() refuses until sync_weights. Nothing without sleep mode."""
         if self.sleep_mode and not self.asleep:
             self.llm.sleep(level=self.sleep_level)
             self.asleep, self.discarded = {"weights", "kv_cache"}, self.sleep_level == 2
@@ -256,16 +268,13 @@ class VLLMGenerator:
             self.asleep -= set(tags)
 
     def sync_weights(self, model):
-        """Copy the trainer's weights into the engine, then reset the prefix cache (its KV entries came from the
-        old weights). The weights wake before the copy, the KV cache after it. Through the worker's reload_weights
-        (v1/worker/gpu_worker.py, inherited by the CPU worker; the model runner's reload_weights ->
-        model_executor/model_loader/reload/inplace.py): the model's own load_weights takes HF names (fuses q/k/v
-        and gate/up, skips a tied lm_head: model_executor/models/qwen3.py), then each layer is processed as at
-        load time and copied into the engine's tensors in place. (Calling load_weights alone, as apply_model
-        allows, fails on the CPU build: its linear layers are repacked after loading and have no weight_loader.)
-        Each tensor is handed over in the compute dtype, cast before an FSDP gather: in bf16 half the bytes of the
-        float32 weights, the same values (the engine's own weights are in that dtype: it would cast them as it
-        copies); in float32 the trainer's tensors themselves."""
+        """Copy the trainer's weights into the engine (the weights wake before, the KV cache after), then reset the
+        prefix cache (its entries came from the old weights). Through the worker's reload_weights (v1/worker/
+        gpu_worker.py, the CPU worker's too -> model_executor/model_loader/reload/inplace.py): the model's own
+        load_weights takes HF names (fuses q/k/v and gate/up, skips a tied lm_head: model_executor/models/qwen3.py),
+        each layer is processed as at load time and copied into the engine's tensors in place (load_weights alone
+        fails on the CPU build: its repacked linear layers have no weight_loader). Each tensor goes in the compute
+        dtype, cast before an FSDP gather (bf16: half the bytes; the engine's weights are in that dtype anyway)."""
         self.wake_up(tags=["weights"])
         weights = dist.full_weights(model, model.compute_dtype)  # one tensor at a time (torchrun: each gathered)
         logger, not_loaded = logging.getLogger("vllm.model_executor.model_loader.reload.inplace"), _NotLoaded()

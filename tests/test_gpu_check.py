@@ -73,6 +73,33 @@ def test_the_wheel_folder_is_pure_python_and_complete():
             assert name in ON_THE_GPU_MACHINE | names, f"{os.path.basename(wheel)} needs {name}, not carried"
 
 
+def test_the_carried_wheels_requirements_are_checked_against_the_machine(tmp_path):
+    """gpu_check.sh, once the wheels are installed (`gpu_check_runs.py requirements SITE`, the folder first on
+    PYTHONPATH as there): a requirement this Python's packages do not meet (a version too old, a package missing)
+    stops the check in one line naming each; extras and other Pythons' markers aside; met: silent, exit 0."""
+    import typing_extensions  # noqa: F401  (installed here: its version is what the line reports)
+    from importlib import metadata
+
+    def site(*requires):
+        folder = tmp_path / f"site{len(list(tmp_path.iterdir()))}"
+        info = folder / "carried-1.0.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: carried\nVersion: 1.0\n" + "".join(
+            f"Requires-Dist: {line}\n" for line in requires))
+        return subprocess.run([sys.executable, "benchmarks/gpu_check_runs.py", "requirements", str(folder)], cwd=REPO,
+                              capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(folder)))
+    met = site("typing_extensions>=4.0", "sphinx>=99; extra == 'docs'", "nosuchpackage; python_version < '3.0'")
+    assert met.returncode == 0 and met.stdout == met.stderr == ""
+    unmet = site("typing_extensions>=99", "nosuch-package-57>=1", "numpy")
+    version = metadata.version("typing_extensions")
+    assert unmet.returncode == 1 and unmet.stderr.strip().splitlines() == [
+        f"gpu_check: the carried wheels need what this machine lacks: carried needs nosuch-package-57>=1 (not here); "
+        f"carried needs typing_extensions>=99 ({version} here); carry those wheels too (benchmarks/gpu_wheels.sh's "
+        f"WHEELS)"]
+    text = open(os.path.join(REPO, "benchmarks", "gpu_check.sh")).read()
+    assert 'gpu_check_runs.py requirements "$SITE" || exit 1' in text  # before the imports are tried
+
+
 @pytest.mark.parametrize("trainer", gpu_check.TRAINERS)
 def test_the_check_flags_parse_for_every_trainer(trainer, tmp_path):
     """bf16 on the tiny model with the HF engine, 3 steps, the actor trained from step 0, checkpoints only at the
@@ -103,7 +130,9 @@ def statistics(**changes):
 
 def report(steps=3, direction=0.2, **changes):
     """observe's report of a correct bf16 run (a max of 0.3: bf16 noise at a rare token), changes to every step."""
-    return {str(step): {**dict(ratio=statistics(), gap=statistics(), calls=2, direction=direction), **changes}
+    return {str(step): {**dict(ratio=statistics(), gap=statistics(), calls=2, direction=direction, change=2e-3,
+                               token_change=3e-3, clip_binds=3, clip_leaks=0, padding_read=False,
+                               nucleus=dict(tokens=0, explained=None)), **changes}
             for step in range(steps)}
 
 
@@ -120,7 +149,7 @@ def test_trainer_problems_catch_each_planted_defect():
     for key, value, shown in (("mean", 0.004, "mean 4.00e-03 > 0.0039"), ("q99", 0.051, "q99 5.10e-02 > 0.05"),
                               ("clipped", 0.0011, "clipped 1.10e-03 > 0.001")):
         for what in ("ratio", "gap"):
-            bad = {**figures, "1": {**figures["1"], what: statistics(**{key: value})}}
+            bad = {**figures, "1": {**figures["1"], what: statistics(**{key: value}), "token_change": 1.0}}
             name = "|ratio - 1|" if what == "ratio" else "gap"
             assert gpu_check.trainer_problems(good, bad) == [f"step 1: {name} {shown}"]
     assert gpu_check.trainer_problems(good, {**figures, "2": {**figures["2"], "ratio": statistics(tokens=0)}}) == [
@@ -128,6 +157,66 @@ def test_trainer_problems_catch_each_planted_defect():
     assert gpu_check.trainer_problems(good, {k: figures[k] for k in "01"}) == [
         "step 2: no first mini-batch observed", "step 2: no log-prob gap observed"]
     assert gpu_check.trainer_problems(good[:2], figures) == ["2 of 3 steps logged"]
+
+
+def test_trainer_problems_catch_the_gaps_issue_57_found():
+    """A no-op update (its change 0: no direction, whatever the sign of noise), stale old log-probs (the first
+    mini-batch's ratio as far off as the update moves a token), a top-p the engine's log-probs ignore (none of
+    top-p's term in them), a policy loss that reads padding, a clip that leaves a gradient: each fails the run in a
+    line of its own; the bounds' edges pass."""
+    good, figures = [record(step) for step in range(3)], report()
+
+    def problems(**changes):
+        return gpu_check.trainer_problems(good, {**figures, "1": {**figures["1"], **changes}})
+    assert problems() == [] and problems(ratio=statistics(mean=1.5e-3), token_change=3e-3) == []  # half exactly
+    (line,) = problems(ratio=statistics(mean=2.9e-3), token_change=3e-3)
+    assert line.startswith("step 1: stale old log-probs? the 1st mini-batch's mean |ratio - 1| 2.90e-03 is over 0.50")
+    noop = report(direction=None, change=0.0, token_change=0.0)
+    assert gpu_check.trainer_problems(good, noop) == [
+        "no update direction measured (the update changed nothing)",
+        "the update moved a sample's mean log-prob by 0.0e+00 on average, < 0.00025: an update that does nothing?"]
+    small = gpu_check.trainer_problems(good, report(change=1e-4, token_change=1e-2))  # a sign by noise, no size
+    assert small == ["the update moved a sample's mean log-prob by 1.0e-04 on average, < 0.00025: an update that "
+                     "does nothing?"]
+    assert problems(nucleus=dict(tokens=176, explained=0.76)) == [] and problems(  # 19 tokens: not judged
+        nucleus=dict(tokens=19, explained=0.0)) == []
+    (line,) = problems(nucleus=dict(tokens=123, explained=0.0))
+    assert line == ("step 1: the engine's log-probs show 0.00 of top-p's term over 123 tokens (< 0.5): top-p ignored "
+                    "by the recorded log-probs?")
+    assert problems(padding_read=True) == ["step 1: the policy loss reads the padding its mask leaves out"]
+    assert problems(clip_leaks=3) == ["step 1: 3 of 3 tokens where the clip binds still get a gradient"]
+
+
+def test_the_harness_measures_clipping_padding_and_top_p_by_hand():
+    """gpu_check_runs' helpers on hand-made numbers: the clip binds where r > 1 + 0.2 with A > 0 or r < 0.8 with
+    A < 0 (and there the PPO loss has no gradient); a loss with its mask reads no padding, one without it does;
+    top-p's term is -log of the nucleus's mass (0 at top-p 1)."""
+    torch = pytest.importorskip("torch")
+    import grpo
+    from benchmarks.gpu_check_runs import clip_leaks, padding_read, processed_shift
+    old = torch.zeros(1, 4)
+    logprobs = torch.log(torch.tensor([[1.3, 0.7, 1.1, 1.3]])).requires_grad_()
+    advantages, mask = torch.tensor([[1.0, -1.0, 1.0, -1.0]]), torch.ones(1, 4, dtype=torch.bool)
+    counts = dict(num_sequences=1, num_tokens=4, max_length=4)
+    loss = grpo.policy_loss(logprobs, old, advantages, mask, 0.2, 0.2, "token-mean", **counts)[0]
+    assert clip_leaks(loss, logprobs, old, advantages, mask, 0.2, 0.2) == (2, 0)  # tokens 0 and 1 bind
+    unclipped = grpo.policy_loss(logprobs, old, advantages, mask, 1e9, 1e9, "token-mean", **counts)[0]
+    assert clip_leaks(unclipped, logprobs, old, advantages, mask, 0.2, 0.2) == (2, 2)
+    half = torch.tensor([[True, True, False, False]])
+    assert padding_read(grpo.policy_loss, logprobs, old, advantages, half, 0.2, 0.2, "token-mean", **counts) is False
+    leaky = lambda lp, o, a, m, *rest, **kw: grpo.policy_loss(lp, o, a, torch.ones_like(m), *rest, **kw)  # noqa
+    assert padding_read(leaky, logprobs, old, advantages, half, 0.2, 0.2, "token-mean", **counts) is True
+    assert padding_read(grpo.policy_loss, logprobs, old, advantages, mask, 0.2, 0.2, "token-mean", **counts) is None
+
+    class Fixed(torch.nn.Module):  # logits [0.6, 0.3, 0.1] after softmax, at every position
+        def forward(self, **kwargs):
+            logits = torch.log(torch.tensor([0.6, 0.3, 0.1])).expand(*kwargs["input_ids"].shape, 3)
+            return dataclasses.make_dataclass("Out", ["logits"])(logits)
+    import common
+    batch = common.sequence_batch([[1, 2]], [[0, 1]], pad_id=0)
+    shift = processed_shift(Fixed(), batch, 1.0, 0.8)  # nucleus {0, 1}: mass 0.9
+    assert torch.allclose(shift, torch.full((1, 2), -math.log(0.9)))
+    assert processed_shift(Fixed(), batch, 1.0, 1.0).abs().max() == 0
 
 
 def test_the_update_direction_is_judged_over_the_run():
@@ -203,7 +292,8 @@ def test_update_flops_by_hand():
 
 def test_the_gpu_memory_comparison_is_the_plan_less_the_cuda_context():
     """On a GPU the measured peak is torch.cuda.max_memory_allocated, which does not see the CUDA context: the plan
-    compared is infra.memory.plan's update column less its overhead row (1 GiB) and its engine row (no engine runs),
+    compared is infra.memory.plan's update column less its overhead row (the CUDA context, NCCL's buffers: outside the
+    allocator) and its engine row (no engine runs),
     nothing else removed; offloaded, the float32 weights, gradients and AdamW states are host memory, not compared.
     On CPU the update and host columns with the overhead (the resident peak includes everything)."""
     spec = gpu_check.SCALES["cuda"]["update"]
@@ -215,7 +305,8 @@ def test_the_gpu_memory_comparison_is_the_plan_less_the_cuda_context():
             whole = {name: (update, host) for name, _, update, _, host in memory.plan(memory.Setup(
                 models, offload=offload, tokens=16384, sequence=1024 + 8192, engine="hf", rows=0))}
             assert gpu == {name: update for name, (update, _) in whole.items() if name not in ("overhead", "engine")}
-            assert whole["overhead"][0] == memory.GIB  # the CUDA context and workspaces (assumed)
+            # the CUDA context (0.5 GiB) and, offloaded (FSDP2 on a world of one), NCCL's buffers (1 GiB)
+            assert whole["overhead"][0] == memory.GIB / 2 + offload * memory.GIB
             weights = 4 * sum(s.parameters(h) for _, s, h, _ in models)  # float32
             assert (gpu["weights"], whole["weights"][1]) == ((0, weights) if offload else (weights, 0))
     planned = dict(weights=3.0, activations=4.0, fragmentation=1.0)  # a plan with a fragmentation row
@@ -328,7 +419,7 @@ def test_the_check_scaled_down_on_cpu_passes(tmp_path):
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     table = (out / "gpu_check.md").read_text()
     assert table.strip() in done.stdout and "every check passed" in table
-    counts = {1: len(gpu_check.UPDATES), 2: len(gpu_check.TRAINERS), 3: 3, 4: 3}
+    counts = {1: len(gpu_check.UPDATES), 2: len(gpu_check.TRAINERS) + 1, 3: 3, 4: 3}  # + the sampled grpo run
     for number, count in counts.items():
         rows = section_rows(table, number)
         assert len(rows) == count and (number == 4 or all(row.rstrip().endswith("| ok |") for row in rows)), rows
@@ -366,7 +457,11 @@ PLANTED = [  # (plant, trainer, extra flags, the problem it must cause; None: it
     ("none", "ppo", ["--old-logprobs", "engine"], None),  # a correct run whose ratio is off by bf16 noise
     ("sign-advantage", "ppo", [], "update direction"), ("sign-loss", "grpo", [], "update direction"),
     ("shift", "grpo", [], "gap"), ("shift-update", "ppo", [], "|ratio - 1|"),
-    ("temperature", "ppo", [], "gap"), ("temperature-update", "grpo", [], "|ratio - 1|")]
+    ("temperature", "ppo", [], "gap"), ("temperature-update", "grpo", [], "|ratio - 1|"),
+    ("noop", "grpo", [], "does nothing"), ("stale", "grpo", [], "stale old log-probs"),
+    ("stale", "ppo", [], "stale old log-probs"), ("mask-leak", "grpo", [], "reads the padding"),
+    ("no-clip", "grpo", [], "where the clip binds"), ("none", "grpo", gpu_check.SAMPLED[2], None),
+    ("top-p-ignored", "grpo", gpu_check.SAMPLED[2], "top-p ignored")]
 
 
 @pytest.mark.slow
@@ -374,13 +469,16 @@ def test_the_check_fails_each_planted_bug(tmp_path):
     """Each bug of tests/gpu_check_plants.py planted into a 2-step bf16 run at the CPU check's settings fails the
     trainers' assertions (gpu_check.trainer_problems) by the statistic meant to catch it: a sign error by the update's
     direction, a shift or a wrong temperature in every trainer log-prob by the engine/trainer gap, in the update's
-    log-probs alone by the first mini-batch's ratio. Two correct runs pass: one of them with the engine's old
-    log-probs, whose ratio is off 1 by bf16 noise at a rare token by more than the former max bound (0.01)."""
+    log-probs alone by the first mini-batch's ratio; (issue 57) an update that does nothing by its size, stale old
+    log-probs by the ratio against the update's own size, a loss over padding, a clip that leaves a gradient, and
+    at temperature 0.7 and top-p 0.9 an engine whose log-probs ignore top-p, each by its own line. Three correct runs
+    pass: one with the engine's old log-probs, whose ratio is off 1 by bf16 noise at a rare token by more than the
+    former max bound (0.01), and one at temperature 0.7, top-p 0.9."""
     from concurrent.futures import ThreadPoolExecutor
 
     def planted_run(case):
         plant, trainer, extra, _ = case
-        name = f"{plant}_{trainer}"
+        name = f"{plant}_{trainer}" + "_sampled" * bool(extra and extra[0] == "--temperature")
         flags = gpu_check.trainer_flags(trainer, "cpu", str(tmp_path), name) + ["--steps", "2", *extra]
         done = subprocess.run([sys.executable, "tests/gpu_check_plants.py", plant, trainer,
                                str(tmp_path / f"{name}.json"), "--", *flags], cwd=REPO, capture_output=True,

@@ -1,7 +1,8 @@
 """One GPU as a first-class target (issue 46): docs/usage.md's one-GPU commands for Qwen3-4B-Base, each checked with
-`--plan-only --gpu-memory-gib 80 --gpus 1` against the figures the docs print; --plan-only's exit codes, loading
-nothing; refusals that never suggest more GPUs than --gpus (torchrun: its world); --hf-batch-size reaching the
-engine; the README's SmolLM2 command planned from its own prompts within 8 GiB (issue 47)."""
+`--plan-only --gpu-memory-gib 80 --gpus 1` against the figures the docs print, and (issue 57) against a 128 GiB host;
+--plan-only's exit codes, loading nothing; refusals that never suggest more GPUs than --gpus (torchrun: its world);
+--hf-batch-size reaching the engine; the README's SmolLM2 command planned from its own prompts within 8 GiB (issue
+47)."""
 import contextlib
 import importlib
 import io
@@ -21,20 +22,24 @@ from infra.memory import GIB
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN3_4B_CONFIG = os.path.join(REPO, "tests", "fixtures", "qwen3_4b_config.json")
-
+QWEN3_CONFIGS = {"Qwen3-4B-Base": QWEN3_4B_CONFIG,  # the one-GPU recipe's policy and critics (published shapes)
+                 "Qwen3-1.7B-Base": os.path.join(REPO, "tests", "fixtures", "qwen3_1_7b_config.json")}
+HOST_128 = 110 * GIB  # what the one-GPU recipe may plan on a 128 GiB host: MemAvailable is less than the total (the
+# kernel, the page cache), and loading reads a model whole in float32 before sharding it
 
 @pytest.fixture
 def qwen3_4b_offline(monkeypatch, tmp_path):
-    """Qwen/Qwen3-4B-Base in a Hugging Face cache of its own holding config.json alone (tests/fixtures: the
-    published shapes), the hub offline: `--model Qwen3-4B-Base` plans without a network, and loading anything else
-    (weights, tokenizer files) would fail."""
+    """Qwen/Qwen3-4B-Base and Qwen/Qwen3-1.7B-Base in a Hugging Face cache of its own holding config.json alone
+    (tests/fixtures: the published shapes), the hub offline: `--model Qwen3-4B-Base` plans without a network, and
+    loading anything else (weights, tokenizer files) would fail."""
     import huggingface_hub.constants
     cache = tmp_path / "hub"
-    snapshot = cache / "models--Qwen--Qwen3-4B-Base" / "snapshots" / ("0" * 40)
-    snapshot.mkdir(parents=True)
-    shutil.copy(QWEN3_4B_CONFIG, snapshot / "config.json")
-    (cache / "models--Qwen--Qwen3-4B-Base" / "refs").mkdir()
-    (cache / "models--Qwen--Qwen3-4B-Base" / "refs" / "main").write_text("0" * 40)
+    for name, config in QWEN3_CONFIGS.items():
+        snapshot = cache / f"models--Qwen--{name}" / "snapshots" / ("0" * 40)
+        snapshot.mkdir(parents=True)
+        shutil.copy(config, snapshot / "config.json")
+        (cache / f"models--Qwen--{name}" / "refs").mkdir()
+        (cache / f"models--Qwen--{name}" / "refs" / "main").write_text("0" * 40)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     infra.hub.check_model_source.cache_clear()
@@ -59,21 +64,23 @@ def one_gpu_section():
 
 
 def one_gpu_commands():
-    """[(argv without `python`, 'vllm' or 'hf')] of docs/usage.md's one-GPU block, $ONE_GPU expanded."""
+    """[(argv without `python`, 'vllm' or 'hf')] of docs/usage.md's one-GPU block, its variables ($ONE_GPU,
+    $CRITIC) expanded."""
     block = one_gpu_section().split("```bash\n", 1)[1].split("```", 1)[0].replace("\\\n", "")
-    common = shlex.split(re.search(r'^ONE_GPU="(.*)"$', block, re.M).group(1))
+    variables = {f"${name}": shlex.split(value) for name, value in re.findall(r'^(\w+)="([^"]*)"', block, re.M)}
     commands = []
     for line in block.splitlines():
         if line.startswith("python "):
             argv = shlex.split(line.split("#")[0])[1:]
-            argv = [token for item in argv for token in (common if item == "$ONE_GPU" else [item])]
+            argv = [token for item in argv for token in variables.get(item, [item])]
             commands.append((argv, "hf" if "hf" in argv else "vllm"))
     return commands
 
 
 def test_the_docs_one_gpu_commands_fit_one_80_gb_gpu(qwen3_4b_offline, monkeypatch):
     """Each of the 14 commands (7 methods, vLLM and the HF engine) exits 0 with --plan-only on one 80 GiB GPU, its
-    GPU peak within what CUDA reports for an "80 GB" H100, and the docs' table holds the plan's figures."""
+    GPU peak within what CUDA reports for an "80 GB" H100 and its host memory within what a 128 GiB host leaves
+    (HOST_128: the critic methods with a Qwen3-1.7B critic), and the docs' table holds the plan's figures."""
     commands = one_gpu_commands()
     assert sorted({argv[0] for argv, _ in commands}) == ["grpo.py", "ppo.py", "sp3o.py", "spo.py", "sppo.py",
                                                          "tppo.py", "vapo.py"] and len(commands) == 14
@@ -88,10 +95,25 @@ def test_the_docs_one_gpu_commands_fit_one_80_gb_gpu(qwen3_4b_offline, monkeypat
         fits = re.fullmatch(r"fits: ([\d.]+) GiB per GPU of 80\.0, host memory ([\d.]+) GiB per process", lines[-1])
         assert fits, lines[-1]
         gpu, host = map(float, fits.groups())
-        assert gpu <= memory.CUDA_80GB_GIB
+        assert gpu <= memory.CUDA_80GB_GIB and host <= HOST_128 / GIB, (argv, gpu, host)
         assert "prompts: 1,024 tokens (assumed: the data was not read)" in "\n".join(lines)  # --plan-only reads no data
         column = 0 if engine == "vllm" else 2
         assert table[argv[0]][column:column + 2] == [f"{gpu:.1f}", f"{host:.1f}"], (argv, engine)
+
+
+def test_a_policy_size_critic_needs_more_than_a_128_gib_host(qwen3_4b_offline):
+    """SP3O with its own Qwen3-4B critic, offloaded: 16 bytes x 8,044,938,753 trained parameters (119.9 GiB), AdamW's
+    for-loop temporaries (two float32 copies of the [151,936 x 2,560] embedding: 2.9 GiB), vLLM's pools while it
+    sleeps (2 GiB) and the process (2 GiB): 126.8 GiB, more than a 128 GiB host leaves; pinned by FSDP2 itself (its
+    caching host allocator's power-of-two blocks) the float32 weights and gradients alone would take 84.5 GiB, not
+    59.9. With a Qwen3-1.7B critic: 92.5 GiB."""
+    own = ["sp3o.py", "--model", "Qwen3-4B-Base", "--offload-optimizer", "--max-response-tokens", "4096"]
+    for argv, expected in ((own, 126.8), (own + ["--critic-model", "Qwen3-1.7B-Base"], 92.5)):
+        code, lines = plan_only(argv, "--gpu-memory-gib", "80", "--gpus", "1")
+        host = float(re.search(r"host memory ([\d.]+) GiB per process", lines[-1]).group(1))
+        assert code == 0 and host == expected and (host <= HOST_128 / GIB) == (expected < 100), lines[-1]
+    both = 4_022_468_096 + 4_022_470_657
+    assert (16 * both + 8 * 151936 * 2560) / GIB + 4 == pytest.approx(126.8, abs=0.05)
 
 
 def test_the_one_gpu_commands_need_their_changes(qwen3_4b_offline, monkeypatch):

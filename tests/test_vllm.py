@@ -194,7 +194,7 @@ def fake_scheduler_metadata(head_dim, isa, **kwargs):
 
 @pytest.fixture(params=["cpu", "cuda"])
 def fake_vllm(request, monkeypatch):
-    """A stand-in vllm whose platform is `cpu` (no sleep mode) or `cuda` (sleep mode); the environment,
+    """A stand-in vllm whose platform is `cpu` (no sleep mode) or `cuda` (sleep mode, an idle GPU); the environment,
     torch.set_num_threads and the RNG states are put back after the test."""
     module = types.ModuleType("vllm")
     module.LLM, module.SamplingParams, module.TokensPrompt = FakeLLM, FakeSamplingParams, dict
@@ -214,6 +214,8 @@ def fake_vllm(request, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # as torchrun sets it
     monkeypatch.setattr(torch, "set_num_threads", torch.set_num_threads)
+    if request.param == "cuda":  # an idle 80 GiB GPU, as the engine's start measures it
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 * 2 ** 30,) * 2)
     with torch.random.fork_rng():
         state = random.getstate(), np.random.get_state()
         yield request.param
@@ -240,6 +242,30 @@ def test_vllm_generator_engine_arguments(fake_vllm, tiny_cpu, capsys):
                     if fake_vllm == "cpu" else [])
     generator.close()  # Run.close, before run_main destroys the process group
     assert generator.llm.calls == [("shutdown",)]
+
+
+def test_the_trainers_cached_blocks_go_back_and_the_share_is_capped_before_the_engine_starts(fake_vllm, tiny_cpu,
+                                                                                             monkeypatch, capsys):
+    """On a GPU the trainer's cached blocks are released before vLLM starts (LLM(...) measures the free memory), and a
+    share above what is then free, less 1% of the GPU, is capped there (vLLM refuses a share above its free memory:
+    v1/worker/utils.py request_memory); on CPU neither."""
+    model, tokenizer = tiny_cpu
+    events, total = [], 80 * vllm_engine.GIB
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(0.85 * total), total))
+    build = sys.modules["vllm"].LLM
+    monkeypatch.setattr(sys.modules["vllm"], "LLM", lambda *a, **kw: events.append("LLM") or build(*a, **kw))
+    capped = fake_generator(model, tokenizer, gpu_memory_utilization=0.9)
+    fits = fake_generator(model, tokenizer, gpu_memory_utilization=0.5)
+    said = capsys.readouterr().out
+    if fake_vllm == "cuda":
+        assert events == ["empty_cache", "LLM"] * 2
+        assert (capped.llm.kwargs["gpu_memory_utilization"], fits.llm.kwargs["gpu_memory_utilization"]) == (0.84, 0.5)
+        assert "vLLM: 0.90 of the GPU asked, 68.0 of its 80.0 GiB free at the engine's start: its share capped at " \
+               "0.84 (a KV cache smaller than the memory plan's)" in said
+    else:
+        assert events == ["LLM"] * 2 and capped.llm.kwargs["gpu_memory_utilization"] == 0.9 and "capped" not in said
+    assert vllm_engine.capped_share(0.9, 0.9 * total, total) == 0.89  # 1% of the GPU left free
 
 
 def test_engine_build_leaves_the_process_as_it_was(fake_vllm, tiny_cpu):
