@@ -406,7 +406,8 @@ def test_non_finite_stop_after_an_update_of_the_step_resumes_from_the_step_befor
         run_grpo(monkeypatch, tmp_path / "poisoned", "--steps", 4, "--save-every", 1, "--max-skipped-updates", 1)
     assert str(error.value) == ("1 non-finite updates in a row at step 2 (the likely cause: a learning rate too high, "
                                 "--lr 3e-05), after updates of that step, so the weights hold part of it and nothing "
-                                f"is saved; the last good state is {last}: continue with python grpo.py --resume {last}")
+                                f"is saved; the last good state is {last}: continue with python grpo.py --resume "
+                                f"{last}")
     assert infra.checkpoint._checkpoint_steps(os.path.join(poisoned, "checkpoints")) == [1, 2]
     assert_same(tensors(last), tensors(os.path.join(straight, "checkpoints", "step_000002")))
     poison(set())
