@@ -1,13 +1,14 @@
 """Times the torch thread count a run picks (infra/threads.py) against one thread and torch's default, beside busy
 processes and without them, printing the load beside every figure.
 
-    python benchmarks/threads.py                 # grpo.py's CPU demo, 3 steps, beside 3 busy processes, then quiet
-    python benchmarks/threads.py --busy 0 --steps 30 --repeats 1   # the whole demo, quiet only
+    python benchmarks/threads.py                 # grpo.py's CPU demo, 3 steps, beside 3 busy processes, then without
+    python benchmarks/threads.py --busy 0 --steps 30 --repeats 1   # the whole demo, without busy processes of its own
 
 Each condition runs `python <trainer> --steps N` three ways, interleaved `--repeats` times: auto (neither
 OMP_NUM_THREADS nor --threads: what a newcomer gets), one thread (OMP_NUM_THREADS=1, the workaround) and torch's
 default (--threads <torch's count>: what every run got before issue 60). "Beside busy" starts `--busy` processes that
-spin a core each (Python loops) for the condition's runs. Printed per run: the wall time of the whole command, the
+spin a core each (Python loops) for the condition's runs; the other condition starts none (on a shared machine other
+work may still be there: the `others` column says). Printed per run: the wall time of the whole command, the
 threads the run chose (its first line) and the load around it (os.getloadavg's 1-minute figure before and after, and
 what other processes kept busy over the run, in cores, from /proc/stat less the run's own CPU time); then the
 verdicts: beside busy processes auto no slower than one thread, quiet auto no slower than torch's default (each the
@@ -71,19 +72,20 @@ def one_run(trainer, steps, way, default, output_dir):
 
 def condition(name, busy, args, default, output_dir):
     """Run the three ways `args.repeats` times beside `busy` spinning processes; print each run; return
-    {way: [seconds]}."""
+    ({way: [seconds]}, [others' cores per run])."""
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
     try:
         time.sleep(2.0 if busy else 0.0)  # the spinners are up before the first run samples the machine
-        times = {way: [] for way in WAYS}
+        times, others = {way: [] for way in WAYS}, []
         for repeat in range(args.repeats):
             for way in WAYS:
                 result = one_run(args.trainer, args.steps, way, default, output_dir)
                 times[way].append(result["seconds"])
+                others.append(result["others"])
                 print(f"{name:<22} {way:<14} {result['threads']!s:>7} {result['seconds']:8.1f} "
                       f"{result['load_before']:6.2f} -> {result['load_after']:5.2f} {result['others']:7.2f}   "
                       f"{result['first'][15:]}", flush=True)
-        return times
+        return times, others
     finally:
         for spinner in spinners:
             spinner.kill()
@@ -109,19 +111,20 @@ def main():
         results = {}
         if args.busy:
             results["busy"] = condition(f"beside {args.busy} busy", args.busy, args, default, output_dir)
-        results["quiet"] = condition("without busy processes", 0, args, default, output_dir)
+        results["quiet"] = condition("no busy ones of its own", 0, args, default, output_dir)
     median = {name: {way: statistics.median(seconds) for way, seconds in times.items()}
-              for name, times in results.items()}
+              for name, (times, _) in results.items()}
+    others = {name: statistics.median(loads) for name, (_, loads) in results.items()}
     if "busy" in median:
         auto, one = median["busy"]["auto"], median["busy"]["one thread"]
-        print(f"beside busy processes: auto {auto:.1f} s, one thread {one:.1f} s, torch's default "
-              f"{median['busy']['torch default']:.1f} s (medians): auto is "
+        print(f"beside {args.busy} busy processes (others' load {others['busy']:.1f} cores): auto {auto:.1f} s, one "
+              f"thread {one:.1f} s, torch's default {median['busy']['torch default']:.1f} s (medians): auto is "
               f"{'no slower than' if auto <= NOISE * one else 'SLOWER than'} one thread ({auto / one:.2f}x)")
     auto, today = median["quiet"]["auto"], median["quiet"]["torch default"]
-    print(f"without busy processes: auto {auto:.1f} s, torch's default {today:.1f} s, one thread "
-          f"{median['quiet']['one thread']:.1f} s (medians): auto is "
-          f"{'no slower than' if auto <= NOISE * today else 'SLOWER than'} torch's default ({auto / today:.2f}x); "
-          "only as quiet as its load column: re-measure where it is near 0")
+    print(f"without busy processes of its own (others' load {others['quiet']:.1f} cores): auto {auto:.1f} s, torch's "
+          f"default {today:.1f} s, one thread {median['quiet']['one thread']:.1f} s (medians): auto is "
+          f"{'no slower than' if auto <= NOISE * today else 'SLOWER than'} torch's default ({auto / today:.2f}x)"
+          + ("; a quiet machine's figure needs others' load near 0: re-measure there" if others["quiet"] > 0.3 else ""))
 
 
 if __name__ == "__main__":
