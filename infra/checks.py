@@ -34,11 +34,12 @@ def flag_name(name):
     return f"--{name.replace('_', '-')}"
 
 
-def parse_error(text, argv=(), fields=(), trainer="method"):
+def parse_error(text, argv=(), fields=(), trainer="method", knobs=dict):
     """tyro's error box as one line: its message, the choices of a wrong choice included. Unrecognized options are
     the unknown flags of `argv` alone (tyro cannot know that `--critc-lr` takes a value, so it would list
-    `--critc-lr, 1e-5`), each with the flag meant: our name for another trainer's (OTHER_NAMES), else the nearest
-    known flag (from `fields`), else the trainers of this repository that have it (`trainer`: this one's name)."""
+    `--critc-lr, 1e-5`), each with the flag meant: our name for another trainer's (OTHER_NAMES), else the other
+    trainers that have it (`knobs()`: {trainer: its knobs' defaults}; `trainer`: this one's name), else the nearest
+    known flag (from `fields`)."""
     lines = [line.strip("│╭╮╰╯─ \t") for line in text.splitlines()]  # with or without a box
     body = []
     for line in lines[1:]:  # after the title: the message, up to the next rule (a rule may come first)
@@ -53,25 +54,23 @@ def parse_error(text, argv=(), fields=(), trainer="method"):
     flags = [token.split("=")[0] for token in argv if token.startswith("--")]  # tyro reads --x_y as --x-y
     unknown = [flag for flag in flags if flag_name(flag[2:]) not in known]
     if message.startswith("Unrecognized options") and unknown:
-        message = "Unrecognized options: " + ", ".join(flag + _meant(flag, known, trainer) for flag in unknown)
+        message = "Unrecognized options: " + ", ".join(flag + _meant(flag, known, trainer, knobs) for flag in unknown)
     elif "Perhaps you meant:" in lines:
         flags = [line.split()[0] for line in lines[lines.index("Perhaps you meant:"):] if line.startswith("--")]
         message = message.split(" Perhaps you meant:")[0] + f"; did you mean {' or '.join(flags)}?"
     return message
 
 
-def _meant(flag, known, trainer):
+def _meant(flag, known, trainer, knobs):
     """` (did you mean --lr?)`, ` (grpo.py has no critic: --critic-warmup is a flag of ppo.py, ...)` or ``."""
-    from infra.cli import trainer_defaults, trainers
     name = flag_name(flag[2:])
     if OTHER_NAMES.get(name) in known:
         return f" (did you mean {OTHER_NAMES[name]}?)"
     field = name[2:].replace("-", "_")
     field = field[3:] if field.startswith("no_") else field
-    owners = {other: trainer_defaults(other) for other in trainers() if other != trainer}
-    owners = {other: knobs for other, knobs in owners.items() if field in knobs}
+    owners = {other: own for other, own in knobs().items() if other != trainer and field in own}
     if owners:
-        critic = "--critic-model" not in known and all("critic_model" in knobs for knobs in owners.values())
+        critic = "--critic-model" not in known and all("critic_model" in own for own in owners.values())
         return f" ({trainer}.py has {'no critic' if critic else 'no such knob'}: {flag} is a flag of " \
                f"{', '.join(other + '.py' for other in owners)})"
     nearest = difflib.get_close_matches(name, sorted(known), n=1)

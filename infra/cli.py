@@ -256,7 +256,8 @@ def parse_args(args_class, tiny_preset=None, argv=None, smollm2_preset=None):
                               description=description)
     except SystemExit as exit_:
         if exit_.code:  # tyro's error box, in one line
-            message = parse_error(errors.getvalue(), argv, fields, _method_name(args_class))
+            message = parse_error(errors.getvalue(), argv, fields, _method_name(args_class),
+                                  lambda: {name: trainer_defaults(name) for name in trainers()})
             print(f"{os.path.basename(sys.argv[0])}: error: {message} (see --help)", file=sys.stderr)
             raise SystemExit(2)
         raise
