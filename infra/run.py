@@ -62,7 +62,7 @@ class Run:
         generator = run.start(models, optimizers, tokenizer)   # logging, --resume, the rollout engine
         for step, metrics in run.steps():         # metrics holds the evaluation when one is due
             ...                                   # rollout, reward, advantages, update
-            run.end_step(step, metrics)           # last evaluation, log line, checkpoint; Ctrl-C stops here
+            run.end_step(step, metrics)           # last evaluation, log line, checkpoint (Ctrl-C: infra.stop)
     """
 
     def __init__(self, args, trainer_file):
@@ -207,8 +207,10 @@ class Run:
                 due = step == self.start_step or (self.args.eval_every and step % self.args.eval_every == 0)
                 try:
                     metrics = self.evaluate(step) if due else {}
-                except StopNow:
-                    return self.stop_now(), self.close()
+                except StopNow:  # a Ctrl-C in this evaluation
+                    self.stop_now()
+                    self.close()
+                    return
                 self.step_rng = rng_state()  # what a checkpoint of this step's start holds (update_ok, stop_now)
                 progress.phase("rollout")
                 yield step, metrics
