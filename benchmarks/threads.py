@@ -8,12 +8,13 @@ Each condition runs `python <trainer> --steps N` three ways, interleaved `--repe
 OMP_NUM_THREADS nor --threads: what a newcomer gets), one thread (OMP_NUM_THREADS=1, the workaround) and torch's
 default (--threads <torch's count>: what every run got before issue 60). "Beside busy" starts `--busy` processes that
 spin a core each (Python loops) for the condition's runs; the other condition starts none (on a shared machine other
-work may still be there: the `others` column says). Printed per run: the wall time of the whole command, the
-threads the run chose (its first line) and the load around it (os.getloadavg's 1-minute figure before and after, and
-what other processes kept busy over the run, in cores, from /proc/stat less the run's own CPU time); then the
-verdicts: beside busy processes auto no slower than one thread, quiet auto no slower than torch's default (each the
-median, 10% allowed for noise). On a machine shared with other work the "quiet" condition is only as quiet as the
-load column says: re-measure it where that column is near 0.
+work may still be there: the `others` column says). Printed per run: the wall time of the whole command, the threads
+the run chose (its first line), its CPU time (user + system: the work done, less sensitive to the load than the wall
+time; spinning threads add to it) and the load around it (os.getloadavg's 1-minute figure before and after, and what
+other processes kept busy over the run, in cores, from /proc/stat less the run's own CPU time); then the verdicts:
+beside busy processes auto no slower than one thread, quiet auto no slower than torch's default (each the median, 10%
+allowed for noise). On a machine shared with other work the "quiet" condition is only as quiet as the load column
+says: re-measure it where that column is near 0.
 """
 import argparse
 import os
@@ -44,8 +45,8 @@ def torch_default_threads():
 
 
 def one_run(trainer, steps, way, default, output_dir):
-    """Run the trainer one way; return {seconds, threads, load_before, load_after, others} (others: cores busy with
-    other processes over the run)."""
+    """Run the trainer one way; return {seconds, cpu, threads, load_before, load_after, others, first} (cpu: its CPU
+    seconds; others: cores busy with other processes over the run; first: its first line)."""
     env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
     flags = []
     if way == "one thread":
@@ -66,7 +67,7 @@ def one_run(trainer, steps, way, default, output_dir):
     threads = int(first.split()[2]) if first.startswith("torch threads: ") else None
     cpus = os.cpu_count()
     others = max(0.0, (busy1 - busy0) / max(total1 - total0, 1) * cpus - own / seconds)
-    return dict(seconds=seconds, threads=threads, load_before=load_before, load_after=os.getloadavg()[0],
+    return dict(seconds=seconds, cpu=own, threads=threads, load_before=load_before, load_after=os.getloadavg()[0],
                 others=others, first=first)
 
 
@@ -82,7 +83,7 @@ def condition(name, busy, args, default, output_dir):
                 result = one_run(args.trainer, args.steps, way, default, output_dir)
                 times[way].append(result["seconds"])
                 others.append(result["others"])
-                print(f"{name:<22} {way:<14} {result['threads']!s:>7} {result['seconds']:8.1f} "
+                print(f"{name:<22} {way:<14} {result['threads']!s:>7} {result['seconds']:8.1f} {result['cpu']:6.1f} "
                       f"{result['load_before']:6.2f} -> {result['load_after']:5.2f} {result['others']:7.2f}   "
                       f"{result['first'][15:]}", flush=True)
         return times, others
@@ -106,7 +107,8 @@ def main():
     print(f"{args.trainer} --steps {args.steps} on {os.cpu_count()} cores (affinity: "
           f"{len(os.sched_getaffinity(0))}), torch's default {default} threads; load: os.getloadavg 1-minute before "
           f"-> after each run; others: cores other processes kept busy during it (/proc/stat less the run's CPU)")
-    print(f"{'condition':<22} {'way':<14} {'threads':>7} {'wall s':>8} {'load':>15} {'others':>7}   first line")
+    print(f"{'condition':<22} {'way':<14} {'threads':>7} {'wall s':>8} {'cpu s':>6} {'load':>15} {'others':>7}   "
+          "first line")
     with tempfile.TemporaryDirectory() as output_dir:
         results = {}
         if args.busy:
