@@ -15,15 +15,15 @@ SAMPLE_S = 0.5  # how long /proc/stat is watched as the run starts
 _TORCH_DEFAULT = []  # torch's thread count before this module first set it (its default: one per physical core)
 
 
-def choose(cores, busy, env=None, flag=0):
+def choose(cores, busy, env=None, flag=0, cap=None):
     """(threads, why): `flag` (--threads; 0: not given) when given, else OMP_NUM_THREADS from `env` when it holds a
-    positive count, else the free cores: `cores` less `busy` (what other processes use, in cores), rounded down
-    after SLACK, at least 1 and at most `cores`."""
+    positive count, else the free cores: `cores` less `busy` (what other processes use of them, in cores), rounded
+    down after SLACK, at least 1 and at most `cap` (a CPU quota, torch's default; None: `cores`)."""
     if flag > 0:
         return flag, f"--threads {flag}"
     if omp_threads(env):
         return omp_threads(env), f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}"
-    free = max(1, min(cores, math.floor(cores - busy + SLACK)))
+    free = max(1, min(cores if cap is None else cap, math.floor(cores - busy + SLACK)))
     return free, f"auto: {cores} core{'s' * (cores != 1)} here, {busy:.1f} busy with other work"
 
 
@@ -34,10 +34,11 @@ def omp_threads(env):
 
 
 def usable_cores(torch_default):
-    """The cores this process may use: its CPU affinity (a cpuset, taskset), fewer under a cgroup CPU quota (a
-    container's --cpus), shared with the other ranks of a torchrun on this machine, at most `torch_default` (so a
-    quiet machine never gets more threads than torch's default gave)."""
+    """(cores, cap): the cores this process may run on (its CPU affinity: a cpuset, taskset), shared with the other
+    ranks of a torchrun on this machine, and the most threads it may take: no more than a cgroup CPU quota allows
+    (a container's --cpus) nor than `torch_default` (a quiet machine never gets more threads than torch gave)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = cap = max(1, cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     for path in ("/sys/fs/cgroup/cpu.max", "/sys/fs/cgroup/cpu/cpu.cfs_quota_us"):
         try:
             with open(path) as handle:
@@ -46,11 +47,11 @@ def usable_cores(torch_default):
                 with open(os.path.join(os.path.dirname(path), "cpu.cfs_period_us")) as handle:
                     quota.append(handle.read().strip())
             if quota[0] not in ("max", "-1"):
-                cpus = min(cpus, max(1, math.ceil(int(quota[0]) / int(quota[1]))))
+                cap = min(cap, max(1, math.ceil(int(quota[0]) / int(quota[1]))))
             break
         except (OSError, ValueError, IndexError):
             continue
-    return max(1, min(cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))), torch_default))
+    return cores, max(1, min(cap, torch_default))
 
 
 def busy_cores(seconds=SAMPLE_S):
@@ -89,8 +90,8 @@ def use_threads(flag=0):
     if not _TORCH_DEFAULT:
         _TORCH_DEFAULT.append(torch.get_num_threads())
     decided = flag > 0 or omp_threads(os.environ) > 0
-    cores = usable_cores(_TORCH_DEFAULT[0])
-    threads, why = choose(cores, 0.0 if decided else busy_cores(), os.environ, flag)
+    cores, cap = usable_cores(_TORCH_DEFAULT[0])
+    threads, why = choose(cores, 0.0 if decided else busy_cores(), os.environ, flag, cap)
     torch.set_num_threads(threads)
     line = f"torch threads: {threads} ({why}{'' if decided else '; --threads N or OMP_NUM_THREADS=N to set'})"
     if dist.rank() == 0:

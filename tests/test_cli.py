@@ -211,20 +211,34 @@ def test_the_thread_count_is_the_free_cores_unless_the_flag_or_omp_num_threads_s
     """Issue 60: torch's default (a thread per core) took 2,353 s for the demo beside other work, one thread 84 s.
     The rule: --threads, else OMP_NUM_THREADS, else one thread per core that other work leaves free, at least 1."""
     chosen, why = infra.threads.choose(cores, busy, env, flag)
+    decided = not why.startswith("auto")  # the flag or the variable (the line below pins which)
+    assert infra.threads.choose(cores, busy, env, flag, cap=1)[0] == (threads if decided else 1)  # a quota: auto
     assert chosen == threads
     assert why == (f"--threads {flag}" if flag else f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}"
                    if infra.threads.omp_threads(env) else f"auto: {cores} cores here, {busy:.1f} busy with other work")
 
 
-def test_the_usable_cores_follow_the_affinity_the_ranks_and_torchs_default(monkeypatch):
+def test_the_usable_cores_follow_the_affinity_the_ranks_the_quota_and_torchs_default(monkeypatch):
+    """(cores, cap): the cores to count free ones on, and the most threads a run may take."""
+    files = {}
+
+    def read(path):
+        if path not in files:
+            raise OSError(path)
+        return __import__("io").StringIO(files[path])
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7})
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    monkeypatch.setattr(infra.threads, "open", lambda *args, **kwargs: (_ for _ in ()).throw(OSError()),
-                        raising=False)  # no cgroup quota
-    assert infra.threads.usable_cores(torch_default=16) == 8  # taskset / cpuset: 8 of the machine's cores
-    assert infra.threads.usable_cores(torch_default=4) == 4  # never more than torch's own default
+    monkeypatch.setattr(infra.threads, "open", read, raising=False)  # no cgroup files: no quota
+    assert infra.threads.usable_cores(torch_default=16) == (8, 8)  # taskset / cpuset: 8 of the machine's cores
+    assert infra.threads.usable_cores(torch_default=4) == (8, 4)  # never more than torch's own default
+    files["/sys/fs/cgroup/cpu.max"] = "250000 100000\n"  # a container's --cpus 2.5
+    assert infra.threads.usable_cores(torch_default=16) == (8, 3)
+    files["/sys/fs/cgroup/cpu.max"] = "max 100000\n"
+    assert infra.threads.usable_cores(torch_default=16) == (8, 8)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun: 4 ranks on this machine share them
-    assert infra.threads.usable_cores(torch_default=16) == 2
+    assert infra.threads.usable_cores(torch_default=16) == (2, 2)
+    # a quota of 3 cores on 8 of which 5 are busy: the 3 still free; 7 busy: 1
+    assert infra.threads.choose(8, 5.0, {}, cap=3)[0] == 3 and infra.threads.choose(8, 7.0, {}, cap=3)[0] == 1
 
 
 def test_busy_cores_are_other_processes_cpu_time_on_this_processs_cpus(monkeypatch):
@@ -248,7 +262,7 @@ def test_a_run_says_its_thread_choice_in_its_first_line(monkeypatch, capsys, tmp
     import grpo
     threads = torch.get_num_threads()
     monkeypatch.setattr(infra.threads, "busy_cores", lambda seconds=0: 1.4)  # another process on one of 2 cores
-    monkeypatch.setattr(infra.threads, "usable_cores", lambda default: 2)
+    monkeypatch.setattr(infra.threads, "usable_cores", lambda default: (2, 2))
     try:
         for argv, env, first in (
                 ([], "1", "torch threads: 1 (OMP_NUM_THREADS=1)"),
