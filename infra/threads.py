@@ -4,7 +4,9 @@ keep busy, at least 1 (choose: the rule, a pure function).
 
 Torch's own default, one thread per core, suits a quiet machine only: its threads meet at every operation, so a core
 taken by another process stalls them all. On 2 cores at load 2-5 `python grpo.py` took 2,353 s with torch's two
-threads and 84 s with one (issue 60). benchmarks/threads.py measures the rule beside busy processes and when quiet.
+threads and 84 s with one (issue 60); at load 5-9, 3 of its steps took 156-201 s on two threads (83-132 CPU seconds:
+threads spinning while they wait), 23-42 s on one (14-16 CPU seconds), whether chosen here or by OMP_NUM_THREADS=1
+(benchmarks/threads.py, which measures the rule beside busy processes and without them).
 """
 import math
 import os
