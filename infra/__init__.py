@@ -2,11 +2,14 @@
 
     cli.py         the command line: RunArgs (the run flags every trainer shares), the CPU demo's preset, parsing,
                    and the trainers found at the repository root (forks included)
-    checks.py      checks of the parsed flags (ranges, device, output folder, optional packages), each refused in
-                   one line that names the flag and what to do
-    run.py         Run: the loop's plumbing (evaluation schedule, checkpoints, stopping, the summary), run_main
-    stop.py        Ctrl-C / SIGTERM: stop after the current step with a checkpoint; a second signal stops at once
-    resume.py      the run folder's name, clashes with an existing run, and --resume with the saved settings
+    checks.py      checks of the flags (unknown ones, ranges, device, output folder, optional packages), each refused
+                   in one line that names the flag and what to do
+    run.py         Run: the loop's plumbing (evaluation schedule, checkpoints, stopping), run_main
+    stop.py        Ctrl-C / SIGTERM: stop at the next safe point (no update of the step begun) or after the step, with
+                   a checkpoint of the steps done; a second signal stops at once
+    threads.py     torch's CPU threads, chosen as a run starts from the cores other work leaves free (or --threads,
+                   OMP_NUM_THREADS)
+    resume.py      the run folder's name, clashes with an existing run, --resume with the saved settings, the summary
     log.py         config.json, metrics.jsonl, the step line, TensorBoard / W&B
     samples.py     samples.jsonl (what the model wrote) and the responses printed after each evaluation
     progress.py    progress inside a long step (generation, update), on a terminal or in a log

@@ -1,7 +1,9 @@
-"""Checks of the parsed flags before anything runs, each refusing in one line that names the flag and what to do:
-values no run can use (check_ranges: sizes, rates, fractions, seeds, names), and the machine's side (check_integrations:
---device, --output-dir, the optional packages of --tensorboard and --wandb-project).
+"""Checks of the flags before anything runs, each refusing in one line that names the flag and what to do: the
+parser's own refusals (parse_error: an unknown flag with the one meant, a wrong choice), values no run can use
+(check_ranges: sizes, rates, fractions, seeds, names), and the machine's side (check_integrations: --device,
+--output-dir, the optional packages of --tensorboard and --wandb-project).
 """
+import difflib
 import importlib
 import math
 import os
@@ -17,11 +19,62 @@ FRACTIONS = {"top_p": "(0, 1]", "eval_top_p": "(0, 1]", "gpu_memory_utilization"
              "gamma": "[0, 1]", "lam_actor": "[0, 1]", "lam_critic": "[0, 1]", "lr_warmup": "[0, 1)",
              "tail_ratio": "[0, 1]", "adam_betas": "[0, 1)"}
 MAX_SEED = 2 ** 31 - 1  # NumPy takes seeds below 2**32; each rank adds its rank
+# Other trainers' names for our flags (TRL's GRPOConfig, verl, common habit): an unknown one is answered with ours
+OTHER_NAMES = {"--learning-rate": "--lr", "--critic-learning-rate": "--critic-lr", "--num-generations":
+               "--samples-per-prompt", "--group-size": "--samples-per-prompt", "--rollout-n": "--samples-per-prompt",
+               "--max-completion-length": "--max-response-tokens", "--max-new-tokens": "--max-response-tokens",
+               "--max-response-length": "--max-response-tokens", "--num-iterations": "--epochs", "--ppo-epochs":
+               "--epochs", "--beta": "--kl-coef", "--kl-loss-coef": "--kl-coef", "--epsilon": "--clip-low",
+               "--epsilon-high": "--clip-high", "--max-steps": "--steps", "--total-steps": "--steps",
+               "--output": "--output-dir", "--loss-type": "--aggregation"}
 
 
 def flag_name(name):
     """A field's flag: adam_betas -> --adam-betas."""
     return f"--{name.replace('_', '-')}"
+
+
+def parse_error(text, argv=(), fields=(), trainer="method", knobs=dict):
+    """tyro's error box as one line: its message, the choices of a wrong choice included. Unrecognized options are
+    the unknown flags of `argv` alone (tyro cannot know that `--critc-lr` takes a value, so it would list
+    `--critc-lr, 1e-5`), each with the flag meant: our name for another trainer's (OTHER_NAMES), else the other
+    trainers that have it (`knobs()`: {trainer: its knobs' defaults}; `trainer`: this one's name), else the nearest
+    known flag (from `fields`)."""
+    lines = [line.strip("│╭╮╰╯─ \t") for line in text.splitlines()]  # with or without a box
+    body = []
+    for line in lines[1:]:  # after the title: the message, up to the next rule (a rule may come first)
+        if not line.strip("-─") or line.startswith(("For full helptext", "Argument helptext")):
+            if body:
+                break
+            continue
+        body.append(line)
+    message = " ".join(body) or "; ".join(line for line in lines if line)
+    known = {"--help"} | {flag_name(no + f.name) for f in fields
+                          for no in ("", "no_")[:1 + (f.type in (bool, "bool"))]}
+    flags = [token.split("=")[0] for token in argv if token.startswith("--")]  # tyro reads --x_y as --x-y
+    unknown = [flag for flag in flags if flag_name(flag[2:]) not in known]
+    if message.startswith("Unrecognized options") and unknown:
+        message = "Unrecognized options: " + ", ".join(flag + _meant(flag, known, trainer, knobs) for flag in unknown)
+    elif "Perhaps you meant:" in lines:
+        flags = [line.split()[0] for line in lines[lines.index("Perhaps you meant:"):] if line.startswith("--")]
+        message = message.split(" Perhaps you meant:")[0] + f"; did you mean {' or '.join(flags)}?"
+    return message
+
+
+def _meant(flag, known, trainer, knobs):
+    """` (did you mean --lr?)`, ` (grpo.py has no critic: --critic-warmup is a flag of ppo.py, ...)` or ``."""
+    name = flag_name(flag[2:])
+    if OTHER_NAMES.get(name) in known:
+        return f" (did you mean {OTHER_NAMES[name]}?)"
+    field = name[2:].replace("-", "_")
+    field = field[3:] if field.startswith("no_") else field
+    owners = {other: own for other, own in knobs().items() if other != trainer and field in own}
+    if owners:
+        critic = "--critic-model" not in known and all("critic_model" in own for own in owners.values())
+        return f" ({trainer}.py has {'no critic' if critic else 'no such knob'}: {flag} is a flag of " \
+               f"{', '.join(other + '.py' for other in owners)})"
+    nearest = difflib.get_close_matches(name, sorted(known), n=1)
+    return f" (did you mean {nearest[0]}?)" if nearest else ""
 
 
 def check_ranges(args):

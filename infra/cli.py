@@ -7,7 +7,6 @@ import ast
 import contextlib
 import copy
 import dataclasses
-import difflib
 import functools
 import inspect
 import io
@@ -21,7 +20,7 @@ from typing import Annotated, Literal
 
 import infra.horizon
 from infra import UserError
-from infra.checks import check_ranges, flag_name
+from infra.checks import check_ranges, flag_name, parse_error
 from infra.resume import check_resume, resume_point, saved_settings
 from infra.tiny import builtin_model
 
@@ -84,6 +83,7 @@ class RunArgs:
     eval_max_tokens: int = 8192  # evaluation response length limit (ours, the training limit; SP3O: 24576)
     skip_bad_rows: bool = False  # skip malformed dataset rows (reported as a count) instead of stopping
     max_skipped_updates: int = 5  # stop after this many non-finite updates in a row (at the step's start)
+    threads: int = 0  # torch CPU threads (0: auto, the cores other work leaves free as the run starts; OMP_NUM_THREADS)
     save_every: int = 50  # checkpoint every N steps, and at the end (0: only at the end)
     keep_checkpoints: int = 2  # how many recent checkpoints to keep
     tensorboard: bool = False  # also log to TensorBoard in the run directory
@@ -205,33 +205,6 @@ def _group(name, doc, args_class, fields, defaults):
     return Annotated[group, tyro.conf.OmitArgPrefixes, tyro.conf.arg(name=name)], group()  # its defaults: `defaults`
 
 
-def _one_line_error(text, argv=(), fields=()):
-    """tyro's error box as one line: its message, the choices of a wrong choice included. Unrecognized options are
-    the unknown flags of `argv` alone, each with the known flags (from `fields`) nearest to it: tyro cannot know
-    that `--critc-lr` takes a value, so it would list `--critc-lr, 1e-5`."""
-    lines = [line.strip("│╭╮╰╯─ \t") for line in text.splitlines()]  # with or without a box
-    body = []
-    for line in lines[1:]:  # after the title: the message, up to the next rule (a rule may come first)
-        if not line.strip("-─") or line.startswith(("For full helptext", "Argument helptext")):
-            if body:
-                break
-            continue
-        body.append(line)
-    message = " ".join(body) or "; ".join(line for line in lines if line)
-    known = {"--help"} | {flag_name(no + f.name) for f in fields
-                          for no in ("", "no_")[:1 + (f.type in (bool, "bool"))]}
-    flags = [token.split("=")[0] for token in argv if token.startswith("--")]  # tyro reads --x_y as --x-y
-    unknown = [flag for flag in flags if flag_name(flag[2:]) not in known]
-    if message.startswith("Unrecognized options") and unknown:
-        nearest = {flag: difflib.get_close_matches(flag_name(flag[2:]), sorted(known), n=1) for flag in unknown}
-        message = "Unrecognized options: " + ", ".join(
-            flag + (f" (did you mean {nearest[flag][0]}?)" if nearest[flag] else "") for flag in unknown)
-    elif "Perhaps you meant:" in lines:
-        flags = [line.split()[0] for line in lines[lines.index("Perhaps you meant:"):] if line.startswith("--")]
-        message = message.split(" Perhaps you meant:")[0] + f"; did you mean {' or '.join(flags)}?"
-    return message
-
-
 def _method_name(args_class):
     """The trainer's file name without .py (ppo), from the module that defines its Args."""
     module = sys.modules.get(args_class.__module__)
@@ -289,7 +262,8 @@ def parse_args(args_class, tiny_preset=None, argv=None, smollm2_preset=None):
                               description=description)
     except SystemExit as exit_:
         if exit_.code:  # tyro's error box, in one line
-            message = _one_line_error(errors.getvalue(), argv, fields)
+            message = parse_error(errors.getvalue(), argv, fields, _method_name(args_class),
+                                  lambda: {name: trainer_defaults(name) for name in trainers()})
             print(f"{os.path.basename(sys.argv[0])}: error: {message} (see --help)", file=sys.stderr)
             raise SystemExit(2)
         raise

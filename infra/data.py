@@ -225,8 +225,8 @@ def load_rows(spec, split="train", n_builtin=None, seed=0, skip_bad_rows=False, 
                 for i, row in enumerate(rows)]
     if os.path.exists(spec):
         raw = _read_file_rows(spec, flag)
-    elif spec.endswith(DATA_EXTENSIONS) or not hub.is_hub_dataset(spec):
-        raise UserError(f"{flag} {spec!r}: no such file (or a hub id: org/name, org/name:config)")
+    elif not hub.is_hub_dataset(spec):  # a path (hub.looks_like_path), or neither a path nor a hub id
+        raise UserError(f"{flag} {spec!r}: {hub.no_such_file(spec)}")
     else:  # the split asked for, or the dataset's only one
         raw = [(f"{spec}[{i}]", r) for i, r in enumerate(hub.dataset_rows(spec, split, flag))]
     rows, bad = [], []

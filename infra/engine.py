@@ -9,6 +9,7 @@ import torch
 from common import Completion, prompt_ids
 from infra import UserError, dist, progress
 from infra.prompt_sharing import cache_argument, read_common_prefix
+from infra.stop import safe_point
 
 
 class HFGenerator:
@@ -105,6 +106,7 @@ class HFGenerator:
         step_positions = (step_mask.cumsum(1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
         attention_mask, positions = step_mask[copies], step_positions[copies]
         for step in range(max_tokens):
+            safe_point()  # after a Ctrl-C the run stops here, between decode steps (infra.stop)
             logits = self.model(input_ids=step_ids, attention_mask=step_mask, position_ids=step_positions,
                                 **{cache_name: cache}, use_cache=True,
                                 logits_to_keep=1).logits[:, -1].float()

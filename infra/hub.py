@@ -15,6 +15,7 @@ import sys
 from infra import UserError, gguf_model
 
 PROBE_TIMEOUT_S = 5  # one request to the hub's endpoint, only for a hub name that is not in the local cache
+FILE_EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv", ".tsv", ".txt", ".arrow", ".gz", ".zst", ".xz", ".zip")
 HUB_DATASET = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?")  # org/name, or org/name:config (openai/gsm8k:main)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_SHIPPED = os.path.join(ROOT, "models", "tiny")
@@ -113,9 +114,23 @@ def config_folder(name, flag="--model"):
                         f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'no answer'})")
 
 
+def looks_like_path(spec):
+    """Whether a --dataset / --eval-datasets value names a file, never a hub id: a file extension (data/train.jsonl)
+    or a leading ./, ../, / or ~."""
+    return spec.lower().endswith(FILE_EXTENSIONS) or spec.startswith(("./", "../", "/", "~"))
+
+
 def is_hub_dataset(spec):
     """Whether a --dataset / --eval-datasets value is a hub dataset id: `org/name` or `org/name:config`, not a path."""
-    return HUB_DATASET.fullmatch(spec) is not None and not os.path.exists(spec)
+    return HUB_DATASET.fullmatch(spec) is not None and not os.path.exists(spec) and not looks_like_path(spec)
+
+
+def no_such_file(spec):
+    """Why `spec`, neither a file nor a hub id, was not found: `no such file (no folder data/ in /home/me)`."""
+    folder = os.path.dirname(spec)
+    where = f"not in {os.path.abspath(folder or '.')}" if not folder or os.path.isdir(folder) else \
+        f"no folder {folder}/" + f" in {os.getcwd()}" * (not os.path.isabs(folder))
+    return f"no such file ({where}{'' if looks_like_path(spec) else '; nor a hub id: org/name, org/name:config'})"
 
 
 @functools.lru_cache(maxsize=None)

@@ -41,13 +41,13 @@ def host_need(setup, cpu, ranks_here):
 
 
 def with_response(limit):
-    """A change of setup: --max-response-tokens `limit`, its sequences, micro-batches and generate calls shortened."""
+    """A change of setup: responses of at most `limit` tokens (--max-response-tokens, and --eval-max-tokens where the
+    evaluation's are longer: fitting_flags names both), its sequences, micro-batches and generate calls shortened."""
     def change(setup):
         sequence = setup.prompt_tokens + limit
         tokens = setup.rows * sequence if setup.rows else setup.tokens if setup.tokens > setup.sequence else sequence
         calls, length = setup.generated
-        return dataclasses.replace(setup, sequence=sequence, tokens=tokens,
-                                   generated=(calls, sequence if length == setup.sequence else length))
+        return dataclasses.replace(setup, sequence=sequence, tokens=tokens, generated=(calls, min(length, sequence)))
     return change
 
 
@@ -64,13 +64,14 @@ def replaced(**changes):
     return lambda setup: dataclasses.replace(setup, **changes)
 
 
-def fitting_flags(setup, limit, host=None, gpus=64, gpu_bytes=None):
+def fitting_flags(setup, limit, host=None, gpus=64, gpu_bytes=None, eval_tokens=0):
     """Up to 4 flag sets under which the plan fits (memory_plan.fit: its peak at most `limit` bytes, an auto vLLM
     share's KV cache at least 1/8 of the rollout), the least change of each kind: those that fit alone, then pairs (or
     triples) of changes that do not. Never more ranks than `gpus`; a micro-batch holds one sequence at least; an HF
     batch 1/8 of the rollout at least. host=(cpu, ranks_here): `limit` is this machine's memory, measured by
     host_need; more ranks and offloading do not shrink it (they share the machine), a smaller Qwen3 (policy and the
-    models of its shape) may."""
+    models of its shape) may. A shorter --max-response-tokens comes with as short an --eval-max-tokens where the
+    evaluation's limit (`eval_tokens`) is longer."""
     host_ranks = [] if host else [(f"torchrun --nproc-per-node {n}" if n <= 8 else
                                    f"torchrun --nnodes {n // 8} --nproc-per-node 8", with_ranks(n))
                                   for n in (2, 4, 8, 16, 32, 64) if setup.ranks < n <= gpus]
@@ -92,8 +93,8 @@ def fitting_flags(setup, limit, host=None, gpus=64, gpu_bytes=None):
                if hf and setup.at_once() <= n < setup.hf_rows()]  # never below the stated part of the rollout
     vllm = [("--generator vllm" + ("" if _vllm_installed() else " (pip install -r requirements-vllm.txt)"),
              replaced(engine="vllm", auto_share=True))] if hf else []
-    responses = [(f"--max-response-tokens {n}", with_response(n)) for n in (4096, 2048, 1024)
-                 if n < setup.sequence - setup.prompt_tokens]
+    responses = [(f"--max-response-tokens {n}" + f" --eval-max-tokens {n}" * (eval_tokens > n), with_response(n))
+                 for n in (4096, 2048, 1024) if n < setup.sequence - setup.prompt_tokens]
     groups = [group for group in (host_ranks, offload, sizes, tokens, critics, checkpointing, batches, vllm, responses)
               if group]
 
@@ -167,6 +168,7 @@ def check(args, trainer_file, device, rows=None):
             sys.exit(1)
         return args.gpu_memory_utilization or FALLBACK_SHARE
     setup, problem = fit(setup, limit, total) if limit else (setup, None)
+    eval_tokens = args.eval_max_tokens if args.eval_datasets else 0  # a refusal's shorter responses: evaluation's too
     lines, available = plan(setup), host_memory()[0]
     gpus = dist.world_size() if dist.distributed() else args.gpus or torch.cuda.device_count() or 1
     if shown:
@@ -178,7 +180,7 @@ def check(args, trainer_file, device, rows=None):
               f"{setup.generated[0]} x {setup.generated[1]:,}")
     if problem:
         source = "--gpu-memory-gib" if args.gpu_memory_gib else f"free on {device}"
-        found = fitting_flags(setup, limit, gpus=gpus, gpu_bytes=total)
+        found = fitting_flags(setup, limit, gpus=gpus, gpu_bytes=total, eval_tokens=eval_tokens)
         tried = "more ranks (--gpus), " * (gpus > setup.ranks) + "--offload-optimizer, a smaller --micro-batch-tokens" \
             + ", --hf-batch-size, --generator vllm" * (setup.engine == "hf") + ", --max-response-tokens"
         problem = f"{problem}, more than the {limit / GIB:.1f} GiB {source}" if "needs" in problem else problem
@@ -190,7 +192,8 @@ def check(args, trainer_file, device, rows=None):
               f"at once (1/{ROLLOUT_AT_ONCE} of this rank's rollout: {setup.at_once()})")
     other_gpu = limit and not device.startswith("cuda")  # --gpu-memory-gib off a GPU: a plan for another GPU
     if not problem and shown and not other_gpu:
-        problem = host_refusal(setup, available, not limit, int(os.environ.get("LOCAL_WORLD_SIZE", setup.ranks)))
+        problem = host_refusal(setup, available, not limit, int(os.environ.get("LOCAL_WORLD_SIZE", setup.ranks)),
+                               eval_tokens)
     if args.plan_only:
         where = f"GPU of {limit / GIB:.1f}" if limit else "process"
         print(problem or f"fits: {peak(lines) / GIB:.1f} GiB per {where}, host memory "
@@ -211,14 +214,14 @@ def check_share(setup, gpu_bytes):
     return vllm_share(setup, gpu_bytes)
 
 
-def host_refusal(setup, available, cpu, ranks_here=1):
+def host_refusal(setup, available, cpu, ranks_here=1, eval_tokens=0):
     """The one-line refusal of a plan whose host_need exceeds this machine's `available` bytes, or None. Available,
     not total, memory: as on a GPU (its free memory), what the other processes leave is what this run can have; a
     plan above it swaps or is killed by the kernel after the model has loaded."""
     need = host_need(setup, cpu, ranks_here)
     if need <= available:
         return None
-    found = fitting_flags(setup, available, (cpu, ranks_here))
+    found = fitting_flags(setup, available, (cpu, ranks_here), eval_tokens=eval_tokens)
     advice = ("it fits with " + ", or with ".join(found)) if found else \
         "no smaller Qwen3 --model, --micro-batch-tokens, --critic-model or --max-response-tokens fits"
     what = "a CPU run: every column" if cpu else f"the host column of {ranks_here} process{'es' * (ranks_here > 1)}"

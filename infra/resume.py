@@ -1,5 +1,6 @@
-"""The run folder: its name, a clash with a run already there, and --resume (a resumed run keeps the settings it
-was started with; RESUME_MAY_CHANGE lists what its command line may change). Messages name the command to run next.
+"""The run folder: its name, a clash with a run already there, --resume (a resumed run keeps the settings it was
+started with; RESUME_MAY_CHANGE lists what its command line may change), and what a run leaves: its summary and how
+to continue it. Messages name the command to run next.
 """
 import dataclasses
 import glob
@@ -23,7 +24,7 @@ from infra.checkpoint import _checkpoint_steps, find_checkpoint
 RESUME_MAY_CHANGE = ("steps", "eval_every", "save_every", "keep_checkpoints", "max_skipped_updates", "tensorboard",
                      "wandb_project", "eval_only", "device", "gpu_memory_utilization", "vllm_kv_cache_gib",
                      "micro_batch_size", "micro_batch_tokens", "gradient_checkpointing", "hf_batch_size", "gpus",
-                     "gpu_memory_gib", "plan_only")
+                     "gpu_memory_gib", "plan_only", "threads")
 WHERE = ("resume", "run_name", "output_dir")  # where a run is, not how it runs
 
 
@@ -163,3 +164,50 @@ def run_directory(args, trainer_file):
         raise UserError(f"{path} already holds a run ({held}): continue it with: {command('--resume', path)}; "
                         "or pass another --run-name")
     return path
+
+
+def summary(run, steps_done):
+    """What a finished (or stopped) infra.run.Run leaves: held-out figures first and last (of the evaluations that
+    ran), time, where, and one command for each next thing: continue (--resume, or train further once finished) and
+    evaluate."""
+    args = run.args
+    lines = [f"{run.trainer}: {steps_done - run.start_step} steps in {time.time() - run.started:.0f} s; run folder "
+             f"{run.dir}"]
+    (first_step, first), (last_step, last) = (run.evaluations or [(0, {})])[0], (run.evaluations or [(0, {})])[-1]
+    for key, value in first.items():
+        if re.search(r"/(avg|pass)@\d+$", key):
+            lines.append(f"  {key}: {value:.4f} at step {first_step}" + (
+                f" -> {last[key]:.4f} at step {last_step}" if last_step != first_step and key in last else ""))
+    settings = dataclasses.asdict(args)
+    more = args.steps if fixed_steps(settings) else max(args.steps, 2 * steps_done)
+    lines.append("  continue: " + (command("--resume", run.dir) if steps_done < args.steps else
+                                   train_further(settings, run.dir, steps_done) if more == steps_done else
+                                   command("--resume", run.dir, "--steps", more)))
+    checkpoint = os.path.join(run.dir, "checkpoints", f"step_{steps_done:06d}", "policy")
+    digits = ("--dataset", args.dataset) if args.dataset.startswith("builtin:") and "builtin" in args.eval_datasets \
+        else ()  # `builtin` evaluates the digits trained on
+    evaluate = command("--eval-only", "--model", checkpoint, *digits, "--eval-datasets", *(args.eval_datasets or
+                                                                                          ["FILE"]))
+    return "\n".join(lines + [f"  evaluate: {evaluate}"])
+
+
+def continue_hint(run_dir):
+    """After an interrupt or a crash: the command that continues the run in `run_dir` (or starts it again)."""
+    steps = _checkpoint_steps(os.path.join(run_dir, "checkpoints"))
+    if steps:
+        return f"to continue from step_{steps[-1]:06d}: {command('--resume', run_dir)}"
+    if os.path.exists(os.path.join(run_dir, "config.json")):
+        return f"{run_dir} has no checkpoint yet; to start it again with its settings: {command('--resume', run_dir)}"
+    return f"nothing was saved; to start again: {command(*sys.argv[1:])}"
+
+
+def resume_record(args, run_dir, checkpoint, step):
+    """None for a new run; for a resumed one, what config.resume_<step>.json keeps: when, from which
+    checkpoint, the flags changed ({flag: [saved, now]}) and the settings now in effect."""
+    if not args.resume:
+        return None
+    saved = json.loads(json.dumps(saved_settings(run_dir)))
+    now = json.loads(json.dumps(dataclasses.asdict(args)))
+    changed = {name: [saved[name], value] for name, value in now.items()
+               if name in saved and name not in WHERE and value != saved[name]}
+    return {"time": time.time(), "checkpoint": checkpoint, "step": step, "changed": changed, "config": now}

@@ -1,13 +1,10 @@
 """A training run's plumbing around a trainer's loop (Run): the run folder and its logs, the evaluation schedule,
-checkpoints and resume, skipped non-finite updates, stopping on Ctrl-C or SIGTERM after a whole step (the signals:
-stop.py), and the summary at the end. Every check that can be made runs before the run folder exists; a start that
+checkpoints and resume, skipped non-finite updates, stopping on Ctrl-C or SIGTERM at a safe point, whole steps saved
+(stop.py), and the summary at the end. Every check that can be made runs before the run folder exists; a start that
 finishes no step leaves no folder behind (run_main).
 """
 import contextlib
-import dataclasses
-import json
 import os
-import re
 import shutil
 import sys
 import time
@@ -15,21 +12,22 @@ import time
 import torch
 from tqdm import tqdm
 
-from infra import UserError, data, dist, memory, progress, verifier
+from infra import UserError, data, dist, memory, progress, threads, verifier
 from infra.checkpoint import _checkpoint_steps, load_checkpoint, rng_state, save_checkpoint, seed_everything
 from infra.checks import check_integrations
 from infra.engine import check_generator, make_generator, stop_token_ids
 from infra.evaluate import eval_table, evaluate
 from infra.hub import check_dataset_sources, check_model_source
 from infra.log import Logger
-from infra.resume import WHERE, command, fixed_steps, resume_point, run_directory, saved_settings, train_further
+from infra.resume import command, continue_hint, resume_point, resume_record, run_directory, summary
 from infra.samples import SampleLog, rollout_records, shown
-from infra.stop import StopSignals
+from infra.stop import StopNow, StopSignals, safe_point
 
 
 def run_main(main):
-    """Run a trainer's main(): a UserError becomes a one-line message and exit code 2, a second Ctrl-C code 130.
-    On the way out the run is closed (Run.close): a start that finished no step leaves no folder behind."""
+    """Run a trainer's main(): a UserError becomes a one-line message and exit code 2, a second Ctrl-C code 130, a
+    stop at a safe point (StopNow) the run's summary (Run.stop_now) and code 0. On the way out the run is closed
+    (Run.close): a start that finished no step leaves no folder behind."""
     hint, finished = True, False  # hint: after an interrupt or a crash, say how to continue
     try:
         main()
@@ -39,6 +37,10 @@ def run_main(main):
         if dist.rank() == 0:
             print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr)
         sys.exit(2)
+    except StopNow:
+        hint, finished = False, True
+        for run in list(_OPEN_RUNS):
+            run.stop_now()
     except KeyboardInterrupt:
         sys.exit(130)
     finally:
@@ -60,7 +62,7 @@ class Run:
         generator = run.start(models, optimizers, tokenizer)   # logging, --resume, the rollout engine
         for step, metrics in run.steps():         # metrics holds the evaluation when one is due
             ...                                   # rollout, reward, advantages, update
-            run.end_step(step, metrics)           # last evaluation, log line, checkpoint; Ctrl-C stops here
+            run.end_step(step, metrics)           # last evaluation, log line, checkpoint (Ctrl-C: infra.stop)
     """
 
     def __init__(self, args, trainer_file):
@@ -72,6 +74,9 @@ class Run:
         check_model_source(args.model)  # a missing --model fails in one line, in seconds (offline too)
         if getattr(args, "critic_model", ""):  # PPO-family: the critic's backbone, checked the same way
             check_model_source(args.critic_model, "--critic-model")
+        if not args.plan_only:  # torch's threads, from what the cores can give now: the run's first line
+            threads.use_threads(args.threads)
+        data_error = None
         try:  # the data before the plan: its prompts' lengths (--plan-only plans without it if it cannot be read)
             check_dataset_sources("" if args.eval_only else args.dataset, args.eval_datasets,  # offline: one line
                                   [f"--answer-format {args.answer_format}"] * (args.answer_format != "auto"))
@@ -81,12 +86,15 @@ class Run:
             self.eval_sets = data.load_eval_sets(args.eval_datasets, args.eval_problems, args.skip_bad_rows,
                                                 args.dataset)
             known = (self.train_rows, self.eval_sets)
+        except UserError as error:  # the plan is made all the same (from an allowance): both refusals come at once
+            data_error, known = error, f"the data could not be read, its prompts are not known ({error})" * \
+                args.plan_only
+        try:  # the memory plan per GPU, refused if it cannot fit (--plan-only exits); vLLM's share (auto: what is left)
+            self.gpu_share = memory.check(args, trainer_file, self.device, known)
         except UserError as error:
-            if not args.plan_only:
-                raise
-            known = f"the data could not be read, its prompts are not known ({error})"
-        # the memory plan per GPU, refused here if it cannot fit (--plan-only exits); vLLM's share (auto: what is left)
-        self.gpu_share = memory.check(args, trainer_file, self.device, known)
+            raise UserError(f"{data_error}; also, {error}" if data_error else str(error)) from None
+        if data_error:
+            raise data_error
         if self.device.startswith("cpu") or args.offload_optimizer:  # host memory: freed blocks reused, not re-faulted
             memory.keep_freed_host_memory()
         self.dir = run_directory(args, trainer_file)  # a clash with an existing run fails before any model loads
@@ -99,7 +107,7 @@ class Run:
                 print(data.NO_EVAL_SETS)
         self.probe_rows = next(iter(self.eval_sets.values()), [])  # held-out prompts of the critic probes (cli:
         # --probe-every needs --eval-datasets)
-        self.skipped_in_a_row, self.stopping, self.saved, self.first_eval, self.last = 0, False, False, {}, (0, {})
+        self.skipped_in_a_row, self.stopping, self.saved, self.evaluations = 0, False, False, []  # (step, metrics)
         self.step_rng, self.updated_step = None, None  # the RNG states as the current step began; its last update
         self.trainer, self.started = os.path.basename(trainer_file), time.time()
         seed_everything(args.seed)
@@ -109,7 +117,8 @@ class Run:
         self.models, self.optimizers, self.tokenizer = models, optimizers, tokenizer
         self.entries_before = os.listdir(self.dir) if os.path.isdir(self.dir) else None  # None: this run makes it
         _OPEN_RUNS.append(self)  # run_main closes it on the way out
-        self.logger = Logger(self.dir, self.args, self.resume_record())
+        self.logger = Logger(self.dir, self.args, resume_record(self.args, self.dir, self.resume_path,
+                                                                self.resumed_step))  # a resume: its own record
         self.start_step = load_checkpoint(self.resume_path, models, optimizers) if self.resume_path else 0
         self.samples = SampleLog(self.dir, self.start_step if self.resume_path else None)  # samples.jsonl
         progress.watch(models.values())  # the update's start and pace, for the progress display
@@ -125,18 +134,6 @@ class Run:
             verifier.CHECKER.prestart()  # the answer checker starts beside the first rollout, not in its first check
             # (the built-in task's answers are numbers, compared in-process: it seldom needs the checker at all)
         return self.generator
-
-    def resume_record(self):
-        """None for a new run; for a resumed one, what config.resume_<step>.json keeps: when, from which
-        checkpoint, the flags changed ({flag: [saved, now]}) and the settings now in effect."""
-        if not self.args.resume:
-            return None
-        saved = json.loads(json.dumps(saved_settings(self.dir)))
-        now = json.loads(json.dumps(dataclasses.asdict(self.args)))
-        changed = {name: [saved[name], value] for name, value in now.items()
-                   if name in saved and name not in WHERE and value != saved[name]}
-        return {"time": time.time(), "checkpoint": self.resume_path, "step": self.resumed_step, "changed": changed,
-                "config": now}
 
     def close(self, hint=False):
         """On the way out (run_main calls it, before it destroys the process group): the rollout engine shuts down;
@@ -164,17 +161,8 @@ class Run:
                     os.remove(path)
             if self.entries_before is None and not os.listdir(self.dir):
                 os.rmdir(self.dir)
-        if not hint:
-            return
-        steps = _checkpoint_steps(os.path.join(self.dir, "checkpoints"))
-        if steps:
-            message = f"to continue from step_{steps[-1]:06d}: {command('--resume', self.dir)}"
-        elif os.path.exists(os.path.join(self.dir, "config.json")):
-            message = f"{self.dir} has no checkpoint yet; to start it again with its settings: " \
-                      f"{command('--resume', self.dir)}"
-        else:
-            message = f"nothing was saved; to start again: {command(*sys.argv[1:])}"
-        print(message, file=sys.stderr)
+        if hint:
+            print(continue_hint(self.dir), file=sys.stderr)
 
     def training_rows(self, step):
         """This rank's share of the prompts of rollout `step` (a function of the step: exact resume)."""
@@ -191,6 +179,7 @@ class Run:
         progress.phase(None)
         self.write("\n".join([eval_table(metrics), *shown(records)]))
         self.samples.add(step, records)
+        self.evaluations.append((step, metrics))  # those that ran, for the summary
         return metrics
 
     def evaluate_only(self):
@@ -204,27 +193,32 @@ class Run:
 
     def steps(self):
         """(step, metrics) for each remaining step, under a progress bar; metrics starts with the held-out
-        evaluation at the first step and every --eval-every steps. The first Ctrl-C or SIGTERM stops after a whole
-        step."""
+        evaluation at the first step and every --eval-every steps. The first Ctrl-C or SIGTERM stops at the next safe
+        point (infra.stop): in this evaluation too (stop_now)."""
         self.signals = StopSignals()
-        bar = tqdm(range(self.start_step, self.args.steps), desc=os.path.basename(self.dir), initial=self.start_step,
-                   total=self.args.steps, disable=dist.rank() > 0)
+        self.bar = bar = tqdm(range(self.start_step, self.args.steps), desc=os.path.basename(self.dir),
+                              initial=self.start_step, total=self.args.steps, disable=dist.rank() > 0)
         self.write = bar.write
         progress.activate(progress.for_bar(bar, bar.write, self.args))  # what a long step has done so far
         try:
             for step in bar:
                 progress.phase(None, step)
+                self.step, self.step_rng, self.signals.safe = step, None, True  # no optimizer step yet: may stop
                 due = step == self.start_step or (self.args.eval_every and step % self.args.eval_every == 0)
-                metrics = self.evaluate(step) if due else {}
-                self.first_eval = self.first_eval or metrics
-                self.step_rng = rng_state()  # what a checkpoint of this step's start holds (update_ok)
+                try:
+                    metrics = self.evaluate(step) if due else {}
+                except StopNow:  # a Ctrl-C in this evaluation
+                    self.stop_now()
+                    self.close()
+                    return
+                self.step_rng = rng_state()  # what a checkpoint of this step's start holds (update_ok, stop_now)
                 progress.phase("rollout")
                 yield step, metrics
                 if self.stopping:
                     break
             bar.close()
             if dist.rank() == 0:
-                print(self.summary(*self.last))
+                print(summary(self, step + 1))
             self.close()  # finished: its logs are closed here (run_main closes a run that did not finish)
         finally:
             progress.deactivate()
@@ -236,13 +230,19 @@ class Run:
         checkpoint step_<step> (weights, optimizers and the RNG states as the step began: a resume repeats the step
         exactly) if no update of this step was taken; else it is gone (keeping a copy would cost the weights and
         optimizer states again), nothing is saved, and the message names the latest checkpoint to resume from."""
+        if self.signals.safe:  # the step's first optimizer step: the last point where it may stop with nothing lost
+            safe_point(lockstep=True)
+            self.signals.safe = False
         progress.optimizer_step()
         finite = all(bool(torch.isfinite(norm)) for norm in grad_norms)
         self.skipped_in_a_row = 0 if finite else self.skipped_in_a_row + 1
         self.updated_step = step if finite else self.updated_step
         if self.skipped_in_a_row < self.args.max_skipped_updates:
             return finite
-        stop = f"{self.skipped_in_a_row} non-finite updates in a row at step {step}"
+        rates = ", ".join(f"--{name.replace('_', '-')} {getattr(self.args, name):g}" for name in ("lr", "critic_lr")
+                          if hasattr(self.args, name))
+        stop = f"{self.skipped_in_a_row} non-finite updates in a row at step {step} (the likely cause: a learning " \
+               f"rate too high, {rates})"
         if self.updated_step != step:
             raise UserError(f"{stop}; the last good state is saved in {self.save(step, self.step_rng)} (as step "
                             f"{step} began)")
@@ -257,9 +257,11 @@ class Run:
         """After a step's update: the evaluation after the last one, the log line and record, the checkpoint
         (every --save-every steps, at the end, and on Ctrl-C or SIGTERM, which then stops the run)."""
         progress.phase(None)
+        self.signals.safe = True  # the update is whole: a stop in the last evaluation skips it, saving the step
         self.samples.add(step, rollout_records(self.training_rows(step), self.tokenizer, self.args))
         if step == self.args.steps - 1:
-            metrics.update(self.evaluate(step + 1))
+            with contextlib.suppress(StopNow):
+                metrics.update(self.evaluate(step + 1))
         if self.device.startswith("cuda"):  # this process's allocations so far (not vLLM's own pool), against the plan
             metrics["gpu_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2 ** 30
         self.logger.log(step, metrics, self.write)
@@ -268,29 +270,26 @@ class Run:
                 or self.stopping:
             self.save(step + 1)
         if self.stopping:
-            self.write(f"stopped after step {step} ({self.signals.signalled or 'another rank was signalled'}); "
-                       f"continue with: {command('--resume', self.dir)}")
-        self.last = (step + 1, metrics)
+            self.write(f"{self.signals.signalled or 'another rank was signalled'}: stopped after step {step}, "
+                       f"saved as step_{step + 1:06d}")
 
-    def summary(self, steps_done, last_metrics):
-        """What a finished (or stopped) run leaves: held-out figures first and last, time, where, what next."""
-        lines = [f"{self.trainer}: {steps_done - self.start_step} steps in {time.time() - self.started:.0f} s; "
-                 f"run folder {self.dir}"]
-        for key, first in self.first_eval.items():
-            if re.search(r"/(avg|pass)@\d+$", key) and key in last_metrics:
-                lines.append(f"  {key}: {first:.4f} at step {self.start_step} -> {last_metrics[key]:.4f} at step "
-                             f"{steps_done}")
-        checkpoint = os.path.join(self.dir, "checkpoints", f"step_{steps_done:06d}", "policy")
-        settings = dataclasses.asdict(self.args)
-        more = self.args.steps if fixed_steps(settings) else max(self.args.steps, 2 * steps_done)
-        lines.append("  continue: " + (train_further(settings, self.dir, steps_done) if more == steps_done else
-                                       command("--resume", self.dir, "--steps", more)))
-        digits = ("--dataset", self.args.dataset) if self.args.dataset.startswith("builtin:") and \
-            "builtin" in self.args.eval_datasets else ()  # `builtin` evaluates the digits trained on
-        evaluate = command('--eval-only', '--model', checkpoint, *digits, '--eval-datasets',
-                           *(self.args.eval_datasets or ["FILE"]))
-        lines.append(f"  evaluate: {evaluate}")
-        return "\n".join(lines)
+    def stop_now(self):
+        """After StopNow in step self.step (no optimizer step taken): the state the step began with is saved, unless
+        a checkpoint holds it already, and the summary printed; the step's work is dropped (a resume repeats it
+        exactly). A new run stopped in step 0 keeps nothing (Run.close removes its folder)."""
+        self.bar.close()
+        progress.deactivate()
+        self.signals.restore()
+        step, signal = self.step, self.signals.signalled or "another rank was signalled"
+        if step > self.start_step and step not in _checkpoint_steps(os.path.join(self.dir, "checkpoints")):
+            self.save(step, self.step_rng or rng_state())
+        if dist.rank() > 0:
+            return
+        if step == 0 and not self.resume_path and not self.logger.records:
+            print(f"{signal}: stopped in step 0, nothing to keep; to start again: {command(*sys.argv[1:])}")
+            return
+        print(f"{signal}: stopped in step {step}, before its update, which a resume repeats", summary(self, step),
+              sep="\n")
 
     def save(self, step, rng=None):
         self.saved = True

@@ -17,6 +17,7 @@ import torch
 
 from common import Completion
 from infra import UserError, dist
+from infra.stop import safe_point
 
 GIB = 1 << 30
 
@@ -210,6 +211,7 @@ class VLLMGenerator:
         if longest >= self.max_model_len:  # vLLM would refuse the request (v1/engine/input_processor.py)
             raise ValueError(f"a prompt of {longest} tokens does not fit the vLLM engine's max_model_len of "
                              f"{self.max_model_len} (the run's longest prompt + longest response, fixed at its start)")
+        safe_point()  # after a Ctrl-C the run stops here, before the call (infra.stop)
         self.wake_up()
         greedy = temperature <= 0  # SamplingParams rejects n > 1 when greedy: send each prompt n times instead
         repeats, n = (n, 1) if greedy else (1, n)
@@ -238,6 +240,7 @@ class VLLMGenerator:
             if seed is not None:
                 torch.manual_seed(seed)  # CPU and every CUDA device
             outputs = self.llm.generate(requests, params, use_tqdm=False)
+        safe_point()  # after a Ctrl-C during the call the run stops here (infra.stop)
         # LLM.generate: one RequestOutput per prompt, in order; .outputs holds its samples (outputs.py), each with
         # token_ids (the stop token included), logprobs (per position, token id -> Logprob) and finish_reason.
         for number, output in enumerate(outputs):

@@ -176,3 +176,11 @@ def test_demo_table_commit_marks_code_changes_not_the_records_it_writes(tmp_path
     assert demo_table.commit() == head
     (tmp_path / "grpo.py").write_text("x = 2\n")
     assert demo_table.commit() == head + "+"
+
+
+def test_help_says_what_the_script_does_in_whole_sentences():
+    """Issue 60: `benchmarks/demo_table.py --help` stopped mid-sentence (`... draw the figure: on the tiny`)."""
+    for script in ("benchmarks/demo_table.py", "benchmarks/threads.py"):
+        printed = run_script(script, "--help")
+        description = printed.split("\n\n")[1]  # after the usage lines
+        assert description.endswith("."), (script, description)

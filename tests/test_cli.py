@@ -25,6 +25,7 @@ import common  # noqa: E402
 import infra.checks  # noqa: E402
 import infra.cli  # noqa: E402
 import infra.run  # noqa: E402
+import infra.threads  # noqa: E402
 
 TRAINERS = infra.cli.trainers()
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "slime_format.jsonl")
@@ -175,9 +176,108 @@ def test_an_unknown_flag_is_named_alone_with_the_nearest_known_one(argv, unknown
 
 def test_a_stray_value_is_still_named():
     # no unknown flag in argv: tyro's own message stays (here a value after a switch)
-    message = infra.cli._one_line_error("Unrecognized options: False", ["--gradient-checkpointing", "False"],
-                                        dataclasses.fields(infra.cli.RunArgs))
+    message = infra.checks.parse_error("Unrecognized options: False", ["--gradient-checkpointing", "False"],
+                                       dataclasses.fields(infra.cli.RunArgs))
     assert message == "Unrecognized options: False"
+
+
+@pytest.mark.parametrize("trainer, argv, unknown", [
+    ("grpo", ["--learning-rate", "1e-5"], "--learning-rate (did you mean --lr?)"),  # no letters in common with --lr
+    ("ppo", ["--num-generations", "4"], "--num-generations (did you mean --samples-per-prompt?)"),  # TRL's name
+    ("grpo", ["--critic-warmup", "0"], "--critic-warmup (grpo.py has no critic: --critic-warmup is a flag of ppo.py, "
+                                       "sp3o.py, sppo.py, tppo.py, vapo.py)"),
+    ("spo", ["--critic-lr", "1e-5"], "--critic-lr (spo.py has no critic: --critic-lr is a flag of ppo.py, sp3o.py, "
+                                     "sppo.py, tppo.py, vapo.py)"),
+    ("ppo", ["--advantage-scale", "none"], "--advantage-scale (ppo.py has no such knob: --advantage-scale is a flag "
+                                           "of grpo.py)")])
+def test_an_unknown_flag_names_the_flag_meant_or_the_trainers_that_have_it(trainer, argv, unknown, tmp_path,
+                                                                            monkeypatch, capsys):
+    """Issue 60: a flag of another framework gets ours, a knob of another trainer the files that have it (the
+    critic's knobs: that this file has no critic), instead of a bare "Unrecognized options"."""
+    code, err, problem = refusal(trainer, argv, tmp_path, monkeypatch, capsys)
+    assert (code, problem) == (2, None)
+    assert err == f"{trainer}.py: error: Unrecognized options: {unknown} (see --help)\n"
+
+
+@pytest.mark.parametrize("cores, busy, env, flag, threads", [
+    (2, 0.0, {}, 0, 2), (2, 0.3, {}, 0, 2), (2, 0.31, {}, 0, 1),  # a core is free while at most 0.3 busy
+    (2, 1.0, {}, 0, 1), (2, 4.7, {}, 0, 1), (16, 0.1, {}, 0, 16), (16, 4.2, {}, 0, 12),  # at least 1, at most cores
+    (2, 4.7, {"OMP_NUM_THREADS": "2"}, 0, 2), (2, 0.0, {"OMP_NUM_THREADS": "1"}, 0, 1),  # the variable wins
+    (2, 0.0, {"OMP_NUM_THREADS": "3,1"}, 0, 3),  # a list: its first level
+    (2, 1.5, {"OMP_NUM_THREADS": ""}, 0, 1), (2, 0.0, {"OMP_NUM_THREADS": "0"}, 0, 2),  # none: auto
+    (2, 0.0, {"OMP_NUM_THREADS": "x"}, 0, 2),
+    (2, 0.0, {"OMP_NUM_THREADS": "1"}, 4, 4), (2, 4.7, {}, 2, 2)])  # --threads wins over both
+def test_the_thread_count_is_the_free_cores_unless_the_flag_or_omp_num_threads_says(cores, busy, env, flag, threads):
+    """Issue 60: torch's default (a thread per core) took 2,353 s for the demo beside other work, one thread 84 s.
+    The rule: --threads, else OMP_NUM_THREADS, else one thread per core that other work leaves free, at least 1."""
+    chosen, why = infra.threads.choose(cores, busy, env, flag)
+    decided = not why.startswith("auto")  # the flag or the variable (the line below pins which)
+    assert infra.threads.choose(cores, busy, env, flag, cap=1)[0] == (threads if decided else 1)  # a quota: auto
+    assert chosen == threads
+    assert why == (f"--threads {flag}" if flag else f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}"
+                   if infra.threads.omp_threads(env) else f"auto: {cores} cores here, {busy:.1f} busy with other work")
+
+
+def test_the_usable_cores_follow_the_affinity_the_ranks_the_quota_and_torchs_default(monkeypatch):
+    """(cores, cap): the cores to count free ones on, and the most threads a run may take."""
+    files = {}
+
+    def read(path):
+        if path not in files:
+            raise OSError(path)
+        return __import__("io").StringIO(files[path])
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7})
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(infra.threads, "open", read, raising=False)  # no cgroup files: no quota
+    assert infra.threads.usable_cores(torch_default=16) == (8, 8)  # taskset / cpuset: 8 of the machine's cores
+    assert infra.threads.usable_cores(torch_default=4) == (8, 4)  # never more than torch's own default
+    files["/sys/fs/cgroup/cpu.max"] = "250000 100000\n"  # a container's --cpus 2.5
+    assert infra.threads.usable_cores(torch_default=16) == (8, 3)
+    files["/sys/fs/cgroup/cpu.max"] = "max 100000\n"
+    assert infra.threads.usable_cores(torch_default=16) == (8, 8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun: 4 ranks on this machine share them
+    assert infra.threads.usable_cores(torch_default=16) == (2, 2)
+    # a quota of 3 cores on 8 of which 5 are busy: the 3 still free; 7 busy: 1
+    assert infra.threads.choose(8, 5.0, {}, cap=3)[0] == 3 and infra.threads.choose(8, 7.0, {}, cap=3)[0] == 1
+
+
+def test_busy_cores_are_other_processes_cpu_time_on_this_processs_cpus(monkeypatch):
+    """From two /proc/stat readings: the busy ticks (all but idle and iowait) of the CPUs this process may use, as
+    cores, less this process's own CPU time (its threads must not count as other work)."""
+    stats = iter([  # user nice system idle iowait irq softirq steal, per CPU; cpu2 is not this process's
+        "cpu  0 0 0 0 0 0 0 0\ncpu0 100 0 0 100 0 0 0 0\ncpu1 100 0 0 100 0 0 0 0\ncpu2 0 0 0 9 0 0 0 0\n",
+        "cpu  0 0 0 0 0 0 0 0\ncpu0 130 0 10 105 5 0 0 0\ncpu1 105 0 0 140 0 0 0 5\ncpu2 0 0 0 999 0 0 0 0\n"])
+    times, clock = iter([0.0, 0.2]), iter([10.0, 10.5])  # 0.2 s of this process's CPU time over 0.5 s
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(infra.threads, "open", lambda path: __import__("io").StringIO(next(stats)), raising=False)
+    monkeypatch.setattr(os, "times", lambda: type("T", (), {"user": next(times), "system": 0.0})())
+    monkeypatch.setattr(infra.threads.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(infra.threads.time, "sleep", lambda seconds: None)
+    # busy ticks: cpu0 40 (user 30, system 10) of 50, cpu1 10 (user 5, steal 5) of 50: half of 2 cores, 1.0 core;
+    # less this process's 0.2 s / 0.5 s = 0.4 core
+    assert infra.threads.busy_cores() == pytest.approx(0.6)
+
+
+def test_a_run_says_its_thread_choice_in_its_first_line(monkeypatch, capsys, tmp_path):
+    import grpo
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(infra.threads, "busy_cores", lambda seconds=0: 1.4)  # another process on one of 2 cores
+    monkeypatch.setattr(infra.threads, "usable_cores", lambda default: (2, 2))
+    try:
+        for argv, env, first in (
+                ([], "1", "torch threads: 1 (OMP_NUM_THREADS=1)"),
+                (["--threads", "2"], "1", "torch threads: 2 (--threads 2)"),
+                ([], None, "torch threads: 1 (auto: 2 cores here, 1.4 busy with other work; --threads N or "
+                           "OMP_NUM_THREADS=N to set)")):
+            if env is None:
+                monkeypatch.delenv("OMP_NUM_THREADS")
+            args = infra.cli.parse_args(grpo.Args, grpo.TINY_PRESET, [*argv, "--output-dir", str(tmp_path)])
+            capsys.readouterr()
+            infra.run.Run(args, os.path.join(ROOT, "grpo.py"))
+            assert capsys.readouterr().out.splitlines()[0] == first
+            assert torch.get_num_threads() == int(first.split()[2])
+    finally:
+        torch.set_num_threads(threads)
 
 
 # the in-process walk matches the command line: the same line and exit code from a real process

@@ -232,6 +232,24 @@ def test_a_hub_id_takes_a_config_and_its_split_is_asked_or_its_only_one(hub_cach
             infra.data.load_rows(spec)
 
 
+@pytest.mark.parametrize("spec, why", [
+    ("data/train.jsonl", "no folder data/ in {cwd}"),  # hub-id-shaped (org/name), but a file extension: a path
+    ("data/train.parquet", "no folder data/ in {cwd}"), ("./gsm8k", "not in {cwd}"), ("/nonexistent/x", "no folder "
+                                                                                        "/nonexistent/"),
+    ("train.jsonl", "not in {cwd}"), ("x", "not in {cwd}; nor a hub id: org/name, org/name:config")])
+def test_a_value_that_looks_like_a_path_is_a_missing_file_not_a_hub_id(spec, why, hub_cache, tmp_path, monkeypatch):
+    """Issue 60: `--dataset data/train.jsonl` (its folder missing) was taken for a hub id, and offline the answer was
+    `not in the Hugging Face cache ... writes train.jsonl/train.jsonl`. A file extension or a leading ./, ../, / or ~
+    makes a path: `no such file`, saying where it was looked for; a hub id stays one (org/name, org/name:config)."""
+    monkeypatch.chdir(tmp_path)
+    assert not infra.hub.is_hub_dataset(spec) and infra.hub.is_hub_dataset("openai/gsm8k:main")
+    infra.hub.check_dataset_sources(spec, (spec,))  # not a hub id: nothing for the hub check to refuse
+    for flag in ("--dataset", "--eval-datasets"):
+        with pytest.raises(UserError) as error:
+            infra.data.load_rows(spec, flag=flag)
+        assert str(error.value) == f"{flag} {spec!r}: no such file ({why.format(cwd=tmp_path)})"
+
+
 def test_python_m_infra_hub_writes_the_files_a_refusal_names(hub_cache, tmp_path, monkeypatch):
     cache_hub_dataset(hub_cache, HUB_ID, {"train": slime_rows()})
     cache_hub_dataset(hub_cache, "math-ai/amc23", {"test": [{"question": "1+1?", "answer": 2.0}]})

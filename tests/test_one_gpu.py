@@ -120,8 +120,9 @@ def test_the_one_gpu_commands_need_their_changes(qwen3_4b_offline, monkeypatch):
     """Without --offload-optimizer or with the papers' 8,192-token responses SP3O does not fit one GPU, and the
     refusal names the documented flags; the HF engine at its default batch of 256 does not either."""
     base = ["sp3o.py", "--model", "Qwen3-4B-Base", "--gpu-memory-gib", "80", "--gpus", "1"]
-    code, lines = plan_only(base)
-    assert code == 1 and lines[-1].endswith("it fits with --offload-optimizer --max-response-tokens 4096")
+    code, lines = plan_only(base)  # shorter responses in training and evaluation alike (issue 60)
+    assert code == 1 and lines[-1].endswith("it fits with --offload-optimizer --max-response-tokens 4096 "
+                                            "--eval-max-tokens 4096")
     code, lines = plan_only(base + ["--offload-optimizer"])
     assert code == 1 and "fewer than 1/8 of this rank's rollout of 512 (64)" in lines[-1]
     code, lines = plan_only(base + ["--offload-optimizer", "--max-response-tokens", "4096", "--eval-max-tokens", "4096",
@@ -211,3 +212,26 @@ def plan_only_setup(argv, prompt_tokens):
     module = importlib.import_module(argv[0][:-3])
     args = infra.cli.parse_args(module.Args, None, argv[1:])
     return memory.setup_for(args, "cpu", 0, prompt_tokens, 64)[0]
+
+
+def test_offline_the_missing_data_and_the_plan_are_refused_together(qwen3_4b_offline, monkeypatch, capsys, tmp_path):
+    """Issue 60: offline, `python sp3o.py --model Qwen3-4B-Base` named only the missing data; the memory refusal
+    came on the second try. Both now come in one line, before any model loads, the plan's flags the recipe's."""
+    import common
+    import sp3o
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(infra.hub, "hub_unreachable", lambda: "ConnectError: no network in this test")
+    monkeypatch.setattr(common, "load_model", lambda *args, **kwargs: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(sys, "argv", ["sp3o.py", "--model", "Qwen3-4B-Base", "--gpu-memory-gib", "80", "--gpus", "1",
+                                      "--output-dir", str(tmp_path / "runs")])
+    with pytest.raises(SystemExit) as exit_code:
+        infra.run.run_main(sp3o.main)
+    error = capsys.readouterr().err
+    assert exit_code.value.code == 2 and error.count("\n") == 1, error
+    data, plan = error.split("; also, ")
+    assert data.startswith("sp3o.py: error: --dataset and --eval-datasets: zhuzilin/dapo-math-17k, ") and \
+        "are not in the Hugging Face cache" in data
+    assert plan.startswith("the memory plan needs ") and plan.endswith(
+        "it fits with --offload-optimizer --max-response-tokens 4096 --eval-max-tokens 4096\n")
+    assert not os.path.exists(tmp_path / "runs")

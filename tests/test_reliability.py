@@ -22,6 +22,8 @@ import common
 import infra.checkpoint
 import infra.cli
 import infra.data
+import infra.evaluate
+import infra.resume
 import infra.run
 import infra.stop
 from helpers import assert_same_records, finish_resumed, kill_then_resume, killed_on_exit, records
@@ -355,8 +357,9 @@ def test_non_finite_update_is_skipped_untouched(monkeypatch, tmp_path, poison, t
 
 def test_non_finite_updates_in_a_row_stop_with_a_checkpoint(monkeypatch, tmp_path, poison, tiny_path):
     poison(set(range(10)))
-    with pytest.raises(infra.UserError, match="3 non-finite updates in a row at step 1; the last good state is "
-                                               "saved in .*step_000001"):
+    with pytest.raises(infra.UserError, match=r"3 non-finite updates in a row at step 1 \(the likely cause: a learning "
+                                               r"rate too high, --lr 3e-05\); the last good state is saved in "
+                                               r".*step_000001"):
         run_grpo(monkeypatch, tmp_path, "--steps", 5, "--max-skipped-updates", 3)
     run_dir = os.path.join(tmp_path, "run")
     assert os.listdir(os.path.join(run_dir, "checkpoints")) == ["step_000001"]
@@ -377,8 +380,8 @@ def test_non_finite_stop_before_any_update_of_the_step_saves_its_start(monkeypat
     exactly (a save of the RNG states as they were mid-step would sample step 2's rollout differently)."""
     straight = run_grpo(monkeypatch, tmp_path / "straight", "--steps", 4, "--save-every", 1, "--keep-checkpoints", 9)
     poison({2})
-    with pytest.raises(infra.UserError, match=r"2 non-finite updates in a row at step 2; the last good state is "
-                                               r"saved in .*step_000002 \(as step 2 began\)"):
+    with pytest.raises(infra.UserError, match=r"2 non-finite updates in a row at step 2 \(.*\); the last good state "
+                                               r"is saved in .*step_000002 \(as step 2 began\)"):
         run_grpo(monkeypatch, tmp_path / "poisoned", "--steps", 4, "--save-every", 0, "--max-skipped-updates", 2)
     poisoned = os.path.join(tmp_path, "poisoned", "run")
     saved, reference = (os.path.join(run, "checkpoints", "step_000002") for run in (poisoned, straight))
@@ -401,9 +404,10 @@ def test_non_finite_stop_after_an_update_of_the_step_resumes_from_the_step_befor
     last = os.path.join(poisoned, "checkpoints", "step_000002")
     with pytest.raises(infra.UserError) as error:
         run_grpo(monkeypatch, tmp_path / "poisoned", "--steps", 4, "--save-every", 1, "--max-skipped-updates", 1)
-    assert str(error.value) == ("1 non-finite updates in a row at step 2, after updates of that step, so the weights "
-                                f"hold part of it and nothing is saved; the last good state is {last}: continue "
-                                f"with python grpo.py --resume {last}")
+    assert str(error.value) == ("1 non-finite updates in a row at step 2 (the likely cause: a learning rate too high, "
+                                "--lr 3e-05), after updates of that step, so the weights hold part of it and nothing "
+                                f"is saved; the last good state is {last}: continue with python grpo.py --resume "
+                                f"{last}")
     assert infra.checkpoint._checkpoint_steps(os.path.join(poisoned, "checkpoints")) == [1, 2]
     assert_same(tensors(last), tensors(os.path.join(straight, "checkpoints", "step_000002")))
     poison(set())
@@ -421,14 +425,17 @@ def test_non_finite_stop_in_step_0_leaves_nothing_and_names_the_command(monkeypa
     code, _, err = main_of(monkeypatch, capsys, *argv)
     assert code == 2 and not os.path.exists(tmp_path / "r")
     assert err.strip().splitlines()[-1] == (
-        "grpo.py: error: 1 non-finite updates in a row at step 0, after updates of that step, so the weights hold part "
-        "of it and nothing is saved; no checkpoint was saved before it; to start again: python grpo.py "
+        "grpo.py: error: 1 non-finite updates in a row at step 0 (the likely cause: a learning rate too high, --lr "
+        "3e-05), after updates of that step, so the weights hold part of it and nothing is saved; no checkpoint was "
+        "saved before it; to start again: python grpo.py "
         + shlex.join(map(str, argv)))
 
 
-def test_ctrl_c_saves_and_exits_cleanly(monkeypatch, tmp_path):
-    """A real SIGINT as step 2 begins: main returns normally (exit code 0) with a checkpoint that holds exactly the
-    logged steps (2 with an immediate stop, 3 with infra.stop.StopSignals finishing the step first)."""
+def test_ctrl_c_saves_and_exits_cleanly(monkeypatch, capsys, tmp_path):
+    """A real SIGINT as step 2's rollout begins: the run stops at the rollout's first decode step (a safe point: no
+    update of step 2 taken), exit code 0, with step 2's start saved as a straight run saves it (weights, Adam, the
+    RNG states as step 2 began), the logged steps exactly those it holds, and one command to continue."""
+    straight = run_grpo(monkeypatch, tmp_path / "straight", "--steps", 3, "--save-every", 1, "--keep-checkpoints", 9)
     real_rows, sent = infra.data.step_rows, []
 
     def step_rows(rows, step, count, seed):
@@ -438,14 +445,90 @@ def test_ctrl_c_saves_and_exits_cleanly(monkeypatch, tmp_path):
             time.sleep(0.1)  # the handler runs here
         return real_rows(rows, step, count, seed)
     monkeypatch.setattr(infra.data, "step_rows", step_rows)
-    run_dir = run_grpo(monkeypatch, tmp_path, "--steps", 6)
-    saved = infra.checkpoint._checkpoint_steps(os.path.join(run_dir, "checkpoints"))
-    assert len(saved) == 1 and saved[0] in (2, 3)
-    assert sorted(records(run_dir)) == list(range(saved[0]))  # the checkpoint holds every logged step, no more
-    model, _ = common.load_model("tiny", device="cpu")
-    optimizer = torch.optim.AdamW(model.parameters())
-    assert infra.checkpoint.load_checkpoint(run_dir, {"policy": model}, {"policy": optimizer}) == saved[0]
-    assert len(optimizer.state) > 0
+    code, out, err = main_of(monkeypatch, capsys, *SMALL, "--steps", 6, "--run-name", "run", "--output-dir", tmp_path)
+    run_dir = os.path.join(tmp_path, "run")
+    assert code == 0 and infra.checkpoint._checkpoint_steps(os.path.join(run_dir, "checkpoints")) == [2], err
+    assert sorted(records(run_dir)) == [0, 1]  # the checkpoint holds every logged step, no more
+    assert "Ctrl-C: stopped in step 2, before its update, which a resume repeats" in out
+    assert (out + err).count("--resume") == 1 and f"  continue: python grpo.py --resume {run_dir}\n" in out
+    saved, reference = (os.path.join(run, "checkpoints", "step_000002") for run in (run_dir, straight))
+    assert_same(trainer_state(saved), trainer_state(reference))  # weights, Adam, RNG states
+    assert_same(tensors(saved), tensors(reference))
+
+
+def interrupt_evaluation(monkeypatch, number):
+    """A Ctrl-C as the run's `number`-th held-out evaluation (1: the first) begins."""
+    real, calls = infra.run.evaluate, []
+
+    def evaluate(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == number:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(infra.run, "evaluate", evaluate)
+
+
+def test_ctrl_c_in_the_first_evaluation_stops_in_it_and_leaves_nothing(monkeypatch, capsys, tmp_path):
+    """Issue 60: the first Ctrl-C used to finish the whole step 0, its evaluation first (minutes on SmolLM2). Now the
+    evaluation stops at its next decode step; nothing was done, so nothing is kept, no folder is left, and the one
+    command printed starts the run again."""
+    interrupt_evaluation(monkeypatch, 1)
+    argv = [*SMALL, "--steps", 2, "--run-name", "r", "--output-dir", tmp_path]
+    code, out, err = main_of(monkeypatch, capsys, *argv)
+    assert code == 0 and not os.path.exists(tmp_path / "r"), err
+    assert "avg@1" not in out  # no evaluation table: it never finished
+    assert out.strip().splitlines()[-1] == "Ctrl-C: stopped in step 0, nothing to keep; to start again: python " \
+                                           "grpo.py " + shlex.join(map(str, argv))
+
+
+def test_ctrl_c_in_an_evaluation_saves_the_step_and_summarises_only_evaluations_that_ran(monkeypatch, capsys,
+                                                                                           tmp_path):
+    """A Ctrl-C in step 2's evaluation (--eval-every 2, no checkpoint before the end): the evaluation stops, step 2's
+    start is saved (the 2 steps done), the summary shows the one evaluation that ran (step 0's, no arrow to a step
+    1 or 2 never evaluated) and one command, and that command resumes exactly: records and final weights as a
+    straight run's."""
+    flags = ["--steps", 4, "--eval-every", 2, "--save-every", 0, "--run-name", "run"]
+    straight = os.path.join(tmp_path, "straight", "run")
+    code, out, err = main_of(monkeypatch, capsys, *SMALL, *flags, "--output-dir", tmp_path / "straight")
+    assert code == 0, err
+    interrupt_evaluation(monkeypatch, 2)
+    code, out, err = main_of(monkeypatch, capsys, *SMALL, *flags, "--output-dir", tmp_path / "stopped")
+    stopped = os.path.join(tmp_path, "stopped", "run")
+    assert code == 0 and infra.checkpoint._checkpoint_steps(os.path.join(stopped, "checkpoints")) == [2], err
+    assert sorted(records(stopped)) == [0, 1]
+    first = records(stopped)[0]["eval/builtin/avg@1"]
+    summary = out[out.index("Ctrl-C: stopped in step 2"):].splitlines()
+    assert summary[1].startswith("grpo.py: 2 steps in ") and summary[2:] == [
+        f"  eval/builtin/avg@1: {first:.4f} at step 0",
+        f"  continue: python grpo.py --resume {stopped}",
+        f"  evaluate: python grpo.py --eval-only --model {stopped}/checkpoints/step_000002/policy --eval-datasets "
+        "builtin"]
+    assert (out + err).count("--resume") == 1
+    monkeypatch.setattr(infra.run, "evaluate", infra.evaluate.evaluate)
+    code, out, err = main_of(monkeypatch, capsys, "--resume", stopped)
+    assert code == 0, err
+    assert_same_records(records(stopped), records(straight), 4)
+    final_a, final_b = (os.path.join(run, "checkpoints", "step_000004") for run in (straight, stopped))
+    assert_same(tensors(final_a), tensors(final_b))
+    assert_same(trainer_state(final_a), trainer_state(final_b))
+
+
+def test_ctrl_c_in_the_last_evaluation_keeps_the_last_step(monkeypatch, capsys, tmp_path):
+    """After the last update the step is whole: a Ctrl-C in the evaluation after it skips that evaluation, logs and
+    saves the step, and the summary shows the evaluations that ran, the first and the one at step 1."""
+    interrupt_evaluation(monkeypatch, 3)  # steps 0 and 1 evaluated (--eval-every 1), then the one after step 1
+    code, out, err = main_of(monkeypatch, capsys, *SMALL, "--steps", 2, "--eval-every", 1, "--run-name", "run",
+                             "--output-dir", tmp_path)
+    run_dir = os.path.join(tmp_path, "run")
+    assert code == 0 and infra.checkpoint._checkpoint_steps(os.path.join(run_dir, "checkpoints")) == [2], err
+    logged = records(run_dir)
+    assert sorted(logged) == [0, 1]
+    with open(os.path.join(run_dir, "samples.jsonl")) as handle:  # no sample of the skipped evaluation (step 2)
+        assert {json.loads(line)["step"] for line in handle if '"kind": "eval"' in line} == {0, 1}
+    assert "Ctrl-C: stopped after step 1, saved as step_000002" in out
+    assert f"  eval/builtin/avg@1: {logged[0]['eval/builtin/avg@1']:.4f} at step 0 -> " \
+           f"{logged[1]['eval/builtin/avg@1']:.4f} at step 1" in out.splitlines()
 
 
 def test_ctrl_c_in_the_middle_of_an_update_saves_whole_steps(monkeypatch, tmp_path, poison):
@@ -628,10 +711,11 @@ def test_spo_resume_keeps_its_learning_rate_schedule(monkeypatch, capsys, tmp_pa
     clash = refusal(monkeypatch, capsys, "spo", "--run-name", "finished", "--output-dir", tmp_path)
     assert clash.endswith(f"already holds a finished run (4 steps): to train it further: {further}; or pass another "
                           "--run-name")
-    run = SimpleNamespace(trainer="spo.py", start_step=2, started=time.time(), dir=finished, first_eval={}, args=args)
-    assert f"  continue: {further}" in infra.run.Run.summary(run, 4, {}).splitlines()
-    assert f"  continue: python spo.py --resume {run_dir} --steps 4" in \
-        infra.run.Run.summary(SimpleNamespace(**{**vars(run), "dir": run_dir}), 2, {}).splitlines()
+    run = SimpleNamespace(trainer="spo.py", start_step=2, started=time.time(), dir=finished, evaluations=[],
+                          args=args)
+    assert f"  continue: {further}" in infra.resume.summary(run, 4).splitlines()
+    assert f"  continue: python spo.py --resume {run_dir}" in \
+        infra.resume.summary(SimpleNamespace(**{**vars(run), "dir": run_dir}), 2).splitlines()  # unfinished: resume
 
 
 @pytest.mark.parametrize("first, second", [(signal.SIGINT, signal.SIGINT), (signal.SIGTERM, signal.SIGINT),
@@ -780,9 +864,10 @@ def test_sigterm_saves_a_checkpoint_that_resumes_exactly(tmp_path):
         assert stopped_run.returncode == 0, output[-3000:]
         saved = infra.checkpoint._checkpoint_steps(os.path.join(stopped, "checkpoints"))
         assert len(saved) == 1 and saved[0] in (2, 3) and sorted(records(stopped)) == list(range(saved[0]))
-        assert "SIGTERM: stopping after this step, with a checkpoint" in output
-        assert f"stopped after step {saved[0] - 1} (SIGTERM); continue with: python grpo.py --resume {stopped}" \
-            in output
+        assert "SIGTERM: stopping at the next safe point, with a checkpoint of the steps done" in output
+        assert "SIGTERM: stopped in step 2, before its update" in output if saved[0] == 2 else \
+            "SIGTERM: stopped after step 2, saved as step_000003" in output
+        assert output.count("--resume") == 1 and f"  continue: python grpo.py --resume {stopped}\n" in output
         finish_resumed(start_grpo(stopped, *flags, "--resume", stopped), straight_run)
     assert_same_records(records(straight), records(stopped), 5)
     final_a, final_b = (os.path.join(run, "checkpoints", "step_000005") for run in (straight, stopped))
