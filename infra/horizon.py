@@ -2,19 +2,20 @@
 small model built to do it at step 0 (models/horizon/, `--model horizon`).
 
 A problem asks for K decisions and a stretch of H tokens that the model writes at random but that cannot change the
-reward. The question holds K pairs of letters, pair i drawn from its own alphabet (class i: A-I, J-R, a-i, j-r for
-the values 1-9), and the stretch's block count n = H / 8:
+reward. The question holds K letters, letter i from its own alphabet (A-I, J-R, a-i, j-r: the values 1-9), where the
+decisions go and the stretch's block count n = H / 8:
 
-    question  `CF MP 016 first`                (K = 2, n = 16, the decisions first)
-    response  `\\boxed{91} 016uxzw 015wvyu ... 001yzux`     or, with `last`:   ` 016uxzw ... 001yzux \\boxed{91}`
+    question  `CM first 016`                           (K = 2, n = 16, the decisions first)
+    response  `\\boxed{34} 016uxzw 015wvyu ... 001yzux`   or, with `last`:   ` 016uxzw ... 001yzux \\boxed{34}`
 
-Decision i is the digit a + b of pair i's values, less 9 when above 9 (C, F = 3, 6 -> 9; M, P = 4, 7 -> 2... less 9:
-11 - 9 = 2), so every answer digit is 1-9 and the gold answer a K-digit number. Each block is a 3-digit counter that
-counts down from n to 1, then 4 letters drawn uniformly from `uvwxyz` (ln 6 = 1.79 nats each), then a space: 8 tokens,
-half of them random. The reward is the usual one (the last \\boxed{} equals the gold answer; a response cut at the
-length limit scores 0), so a response scores by its K decisions alone (tests/test_horizon.py). The model's habit,
-like the tiny model's dropped carries: each decision is right with probability 0.2 ** (1 / K) and otherwise one too
-high (9 -> 1), so a response is right about 1 time in 5 at every K.
+Decision i is letter i's value (C = 3, M = 4), so the gold answer is a K-digit number without zeros. Each block is a
+3-digit counter that counts down from n to 1 (the model's clock: it stops after 001), 4 letters drawn uniformly from
+`uvwxyz` (ln 6 = 1.79 nats each), then a space: 8 tokens, half of them random. The reward is the usual one (the last
+\\boxed{} equals the gold answer; a response cut at the length limit scores 0), so a response scores by its K
+decisions alone (tests/test_horizon.py). The model's habit, like the tiny model's dropped carries: each decision is
+right with probability 0.2 ** (1 / K) and otherwise one too high (9 -> 1), so a response is right about 1 time in 5
+at every K. Held out: 1 letter set in 8 for K >= 2; the 9 questions of K = 1 are all trained on (its held-out
+evaluation samples them afresh).
 """
 import os
 import random
@@ -51,20 +52,14 @@ def parse_spec(text, flag="--dataset"):
     return k, h, bool(match[3])
 
 
-def decision(a, b):
-    """The answer digit of a pair of values 1-9: a + b, less 9 above 9 (its digital root), 1-9."""
-    return (a + b - 1) % 9 + 1
-
-
 def horizon_problem(rng, split, k, h, late):
-    """A row: the question (K pairs, the block count, first/last), the gold answer (K digits) and the values."""
+    """A row: the question (K letters, first/last, the block count), the gold answer (K digits) and the values."""
     while True:
-        pairs = [(rng.randint(1, 9), rng.randint(1, 9)) for _ in range(k)]
-        letters = " ".join(CLASSES[i][a - 1] + CLASSES[i][b - 1] for i, (a, b) in enumerate(pairs))
-        question = f"{letters} {h // BLOCK_TOKENS:03d} {'last' if late else 'first'}"
-        if (zlib.crc32(letters.encode()) % 8 == 0) == (split == "test"):  # held out: 1 pair set in 8, any n
-            return {"question": question, "answer": "".join(str(decision(a, b)) for a, b in pairs), "pairs": pairs,
-                    "blocks": h // BLOCK_TOKENS, "late": late}
+        values = [rng.randint(1, 9) for _ in range(k)]
+        letters = "".join(CLASSES[i][value - 1] for i, value in enumerate(values))
+        if k == 1 or (zlib.crc32(letters.encode()) % 8 == 0) == (split == "test"):  # held out: 1 letter set in 8
+            return {"question": f"{letters} {'last' if late else 'first'} {h // BLOCK_TOKENS:03d}",
+                    "answer": "".join(map(str, values)), "values": values, "blocks": h // BLOCK_TOKENS, "late": late}
 
 
 def horizon_rows(split, n, seed, spec):
@@ -86,9 +81,9 @@ def habit_probability(k):
 def solution(row, rng, right=None):
     """A response to `row` as the model's supervised data writes it: each decision right with probability
     habit_probability(K) (or as `right` says, a list of booleans), else one too high; the stretch at random."""
-    k = len(row["pairs"])
+    k = len(row["values"])
     right = right if right is not None else [rng.random() < habit_probability(k) for _ in range(k)]
-    digits = "".join(str(decision(a, b) if ok else decision(a, b) % 9 + 1) for (a, b), ok in zip(row["pairs"], right))
+    digits = "".join(str(value if ok else value % 9 + 1) for value, ok in zip(row["values"], right))
     answer, text = f"\\boxed{{{digits}}}", stretch(rng, row["blocks"])
     if not text:
         return answer
@@ -98,16 +93,28 @@ def solution(row, rng, right=None):
 SFT_STEPS = 1500  # supervised steps of about SFT_TOKENS response tokens each
 SFT_TOKENS = 8192
 SFT_MAX_BLOCKS = 136  # the build's stretches: 0 to 136 blocks (H up to 1,088), every K and both placements
+SFT_SHORT = 0.5  # share of steps with at most 8 blocks, where the decisions and the first counter are most tokens
 
 
-def build_horizon_model(path, sft_steps=SFT_STEPS, seed=0, log_every=100):
+def key_positions(row, text):
+    """Offsets in `text` (a response to `row`) of the tokens read off the question: the decisions and the first
+    counter."""
+    k, start = len(row["values"]), text.index("\\boxed{") + len("\\boxed{")
+    first = text.find(f"{row['blocks']:03d}", 0 if row["late"] else start + k) if row["blocks"] else -1
+    return [*range(start, start + k), *(range(first, first + 3) if first >= 0 else [])]
+
+
+def build_horizon_model(path, sft_steps=SFT_STEPS, seed=0, log_every=100, layers=2):
     """Build the horizon model into `path`: a 2-layer Qwen3 (the tiny model's shape, 2,048 positions) with the
     character tokenizer, supervised on `solution` for K 1-4, 0-136 blocks, both placements, each step's examples
-    sharing one block count (no padding) and about SFT_TOKENS tokens. A normal HF checkpoint directory."""
+    sharing one block count (no padding) and about SFT_TOKENS tokens. The loss is the response tokens' mean
+    cross-entropy plus that of the tokens read off the question (key_positions): without the second term, a
+    thousand random letters outweigh the decision and the model never learns to read the question. A normal HF
+    checkpoint directory."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
     from infra.tiny import char_tokenizer
     tokenizer = char_tokenizer()
-    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=512, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
                          tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=1)
     torch.manual_seed(seed)
@@ -115,21 +122,26 @@ def build_horizon_model(path, sft_steps=SFT_STEPS, seed=0, log_every=100):
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=sft_steps, pct_start=0.1)
     for step in range(sft_steps):
-        blocks = rng.randint(0, SFT_MAX_BLOCKS)
+        blocks = rng.randint(0, 8) if rng.random() < SFT_SHORT else rng.randint(0, SFT_MAX_BLOCKS)
         rows = [horizon_problem(rng, "train", rng.randint(1, MAX_DECISIONS), BLOCK_TOKENS * blocks, rng.random() < 0.5)
                 for _ in range(max(4, SFT_TOKENS // (BLOCK_TOKENS * blocks + 16)))]
-        prompts = [common.prompt_ids(tokenizer, row["question"]) for row in rows]
-        answers = [tokenizer(solution(row, rng), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-                   for row in rows]
-        batch = common.sequence_batch(prompts, answers, tokenizer.pad_token_id)
+        texts = [solution(row, rng) for row in rows]
+        batch = common.sequence_batch([common.prompt_ids(tokenizer, row["question"]) for row in rows],
+                                      [tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                                       for text in texts], tokenizer.pad_token_id)
+        keys = torch.zeros_like(batch.response_mask)
+        for index, (row, text) in enumerate(zip(rows, texts)):
+            keys[index, key_positions(row, text)] = True
         logits = model(**batch.model_inputs(), logits_to_keep=batch.response_width + 1).logits[:, :-1]
-        loss = torch.nn.functional.cross_entropy(logits[batch.response_mask], batch.response_ids[batch.response_mask])
+        losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch.response_ids, reduction="none")
+        loss = losses[batch.response_mask].mean() + losses[keys].mean()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         schedule.step()
         if log_every and (step % log_every == 0 or step == sft_steps - 1):
-            print(f"step {step:5d} blocks {blocks:3d} rows {len(rows):3d} loss {loss.item():.4f}", flush=True)
+            print(f"step {step:5d} blocks {blocks:3d} rows {len(rows):3d} loss {loss.item():.4f} "
+                  f"(question-read tokens {losses[keys].mean().item():.4f})", flush=True)
     staging = path + f".tmp{os.getpid()}"
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
@@ -170,7 +182,7 @@ BLOCK = re.compile(r"(\d{3})([a-z]{4})")
 def parse_response(text, row):
     """(decisions right: list of bools or None if there is no \\boxed{} of K digits, stretch well formed: the blocks
     count down from n to 1 as the question asks, with 4 letters of STRETCH_LETTERS each)."""
-    k, blocks = len(row["pairs"]), row["blocks"]
+    k, blocks = len(row["values"]), row["blocks"]
     match = re.search(r"\\boxed\{(\d+)\}", text)
     digits = match[1] if match and len(match[1]) == k else None
     right = None if digits is None else [d == g for d, g in zip(digits, row["answer"])]

@@ -33,25 +33,21 @@ def test_the_spec_names_its_knobs_and_refuses_bad_ones_in_one_line():
         infra.data.builtin_digits("builtin:horizon-k9-h8")
 
 
-def test_decision_is_the_digital_root_of_the_pair():
-    # by hand: 3 + 6 = 9; 4 + 7 = 11 -> 2; 9 + 9 = 18 -> 9; 1 + 1 = 2; 5 + 5 = 10 -> 1
-    assert [horizon.decision(a, b) for a, b in [(3, 6), (4, 7), (9, 9), (1, 1), (5, 5)]] == [9, 2, 9, 2, 1]
-
-
-def test_rows_show_the_knobs_and_hold_out_whole_pair_sets():
-    rows = horizon.horizon_rows("train", 200, 0, "horizon-k2-h64-late")
+def test_rows_show_the_knobs_and_hold_out_whole_letter_sets():
+    rows = horizon.horizon_rows("train", 300, 0, "horizon-k2-h64-late")
     row = rows[0]
-    assert re.fullmatch(r"[A-I]{2} [J-R]{2} 008 last", row["question"]), row["question"]
+    assert re.fullmatch(r"[A-I][J-R] last 008", row["question"]), row["question"]
     assert row["blocks"] == 8 and row["late"] and len(row["answer"]) == 2 and "0" not in row["answer"]
-    (a1, b1), (a2, b2) = row["pairs"]
-    assert row["question"][:2] == horizon.CLASSES[0][a1 - 1] + horizon.CLASSES[0][b1 - 1]
-    assert row["answer"] == f"{horizon.decision(a1, b1)}{horizon.decision(a2, b2)}"
-    test = horizon.horizon_rows("test", 200, 0, "horizon-k2-h64-late")
-    pairs = lambda rows: {r["question"][:5] for r in rows}  # noqa: E731
-    assert not pairs(rows) & pairs(test)
+    first, second = row["values"]  # each letter's value is its place in its alphabet (A = 1, J = 1)
+    assert row["question"][:2] == horizon.CLASSES[0][first - 1] + horizon.CLASSES[1][second - 1]
+    assert row["answer"] == f"{first}{second}"
+    test = horizon.horizon_rows("test", 300, 0, "horizon-k2-h64-late")
+    letters = lambda rows: {r["question"][:2] for r in rows}  # noqa: E731
+    assert not letters(rows) & letters(test) and len(letters(test)) >= 5
+    assert len(letters(horizon.horizon_rows("test", 300, 0, "horizon-k1-h0"))) == 9  # K = 1: no split, all 9
     assert horizon.horizon_rows("train", 5, 0, "horizon-k2-h64-late") == rows[:5]  # the same seed, the same rows
     loaded = infra.data.load_rows("builtin:horizon-k1-h0", "test", n_builtin=4)
-    assert loaded[0]["answer_format"] == "boxed" and loaded[0]["question"].endswith(" 000 first")
+    assert loaded[0]["answer_format"] == "boxed" and loaded[0]["question"].endswith(" first 000")
 
 
 @pytest.mark.parametrize("late", [False, True])
