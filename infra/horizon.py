@@ -68,9 +68,15 @@ def horizon_rows(split, n, seed, spec):
     return [horizon_problem(rng, split, k, h, late) for _ in range(n)]
 
 
+def counter(count):
+    """A block's counter: 3 digits, units first (16 -> `610`), so each digit follows from the block before and the
+    digits just written (a borrow shows as a 9), which a 2-layer model learns; tens first, it must look ahead."""
+    return f"{count:03d}"[::-1]
+
+
 def stretch(rng, blocks):
     """The irrelevant stretch: blocks counting down from `blocks` to 1, each with 4 random letters, space-joined."""
-    return " ".join(f"{c:03d}" + "".join(rng.choice(STRETCH_LETTERS) for _ in range(RANDOM_PER_BLOCK))
+    return " ".join(counter(c) + "".join(rng.choice(STRETCH_LETTERS) for _ in range(RANDOM_PER_BLOCK))
                     for c in range(blocks, 0, -1))
 
 
@@ -87,7 +93,8 @@ def solution(row, rng, right=None):
     answer, text = f"\\boxed{{{digits}}}", stretch(rng, row["blocks"])
     if not text:
         return answer
-    return f" {text} {answer}" if row["late"] else f"{answer} {text}"
+    # decisions first: padded to the width of K = 4, so the first block sits as far from the question at every K
+    return f" {text} {answer}" if row["late"] else answer + " " * (MAX_DECISIONS + 1 - k) + text
 
 
 SFT_STEPS = 1500  # supervised steps of about SFT_TOKENS response tokens each
@@ -97,19 +104,20 @@ SFT_SHORT = 0.5  # share of steps with at most 8 blocks, where the decisions and
 
 
 def key_positions(row, text):
-    """Offsets in `text` (a response to `row`) of the tokens read off the question: the decisions and the first
-    counter."""
-    k, start = len(row["values"]), text.index("\\boxed{") + len("\\boxed{")
-    first = text.find(f"{row['blocks']:03d}", 0 if row["late"] else start + k) if row["blocks"] else -1
-    return [*range(start, start + k), *(range(first, first + 3) if first >= 0 else [])]
+    """Offsets in `text` (a response to `row`) of the tokens the build weights: the decisions, every counter digit
+    and the token after the stretch (the end, or late's space before \\boxed{})."""
+    start = text.index("\\boxed{") + len("\\boxed{")
+    blocks = list(BLOCK.finditer(text))
+    after = (blocks[-1].end() if blocks else len(text)) if row["late"] else len(text)
+    return [*range(start, start + len(row["values"])), *(b.start(1) + i for b in blocks for i in range(3)), after]
 
 
 def build_horizon_model(path, sft_steps=SFT_STEPS, seed=0, log_every=100, layers=2):
     """Build the horizon model into `path`: a 2-layer Qwen3 (the tiny model's shape, 2,048 positions) with the
     character tokenizer, supervised on `solution` for K 1-4, 0-136 blocks, both placements, each step's examples
     sharing one block count (no padding) and about SFT_TOKENS tokens. The loss is the response tokens' mean
-    cross-entropy plus that of the tokens read off the question (key_positions): without the second term, a
-    thousand random letters outweigh the decision and the model never learns to read the question. A normal HF
+    cross-entropy plus that of the decisions, counters and stretch ends (key_positions): without the second term,
+    a thousand random letters outweigh them and the model neither reads the question nor keeps count. A normal HF
     checkpoint directory."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
     from infra.tiny import char_tokenizer
@@ -141,7 +149,7 @@ def build_horizon_model(path, sft_steps=SFT_STEPS, seed=0, log_every=100, layers
         schedule.step()
         if log_every and (step % log_every == 0 or step == sft_steps - 1):
             print(f"step {step:5d} blocks {blocks:3d} rows {len(rows):3d} loss {loss.item():.4f} "
-                  f"(question-read tokens {losses[keys].mean().item():.4f})", flush=True)
+                  f"(decisions, counters, ends {losses[keys].mean().item():.4f})", flush=True)
     staging = path + f".tmp{os.getpid()}"
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
@@ -159,7 +167,7 @@ RUN_PRESET = dict(model="horizon", dataset="builtin:horizon-k1-h256", answer_for
                   micro_batch_size=16, micro_batch_tokens=0, gradient_checkpointing=False, eval_datasets=("builtin",),
                   eval_every=5, eval_problems=256, eval_n=1, eval_temperature=1.0, eval_top_p=1.0, save_every=0)
 ROLLOUT_SHARE = 4  # rollouts a quarter of the tiny demo's 512 samples
-LENGTH_SLACK = 64  # response limit: H + this (K decisions and H tokens take H + K + 8, late H + K + 9)
+LENGTH_SLACK = 64  # response limit: H + this (K decisions and H tokens take H + 12, late H + K + 9)
 
 
 def preset(dataset, controlled):
@@ -189,7 +197,7 @@ def parse_response(text, row):
     rest = (text[:match.start()] + text[match.end():]).strip() if match else text.strip()
     found = [BLOCK.fullmatch(word) for word in rest.split()] if rest else []
     well_formed = len(found) == blocks and all(
-        f and int(f[1]) == blocks - i and set(f[2]) <= set(STRETCH_LETTERS) for i, f in enumerate(found))
+        f and f[1] == counter(blocks - i) and set(f[2]) <= set(STRETCH_LETTERS) for i, f in enumerate(found))
     return right, well_formed
 
 
