@@ -1,11 +1,11 @@
 """The memory plan's arithmetic: what one GPU (or a CPU run's process) holds during a run, from the model's
 config.json (a hub model's fetched alone when it is not on disk: infra.hub.config_folder), the method (policy; critic
-on its --critic-model backbone; a frozen reference when --kl-coef > 0), the ranks (FSDP2 shards weights, gradients and
-AdamW states), the dtype policy (float32 weights and AdamW states, bf16 compute), gradient checkpointing, the
-micro-batch, and the rollout engine: vLLM's share of the GPU (auto: what the trainer leaves, vllm_share) or the
-Hugging Face engine's KV cache for the run's own generate calls. infra/memory.py prints and checks it.
-Estimates from shapes, compared with measured CPU peaks by benchmarks/rehearsal.py and, term by term, with the live
-tensor bytes of benchmarks/rehearsal.py --terms (docs/scaling.md); not yet with a measured GPU peak."""
+on its --critic-model backbone; PRIME's implicit PRM; a frozen reference with it or --kl-coef > 0), the ranks
+(FSDP2 shards weights, gradients and AdamW states), the dtype policy (float32 weights and AdamW states, bf16
+compute), gradient checkpointing, the micro-batch, and the rollout engine: vLLM's share of the GPU (auto: what the
+trainer leaves, vllm_share) or the Hugging Face engine's KV cache for the run's own generate calls. infra/memory.py
+prints and checks it. Estimates from shapes, compared with measured CPU peaks by benchmarks/rehearsal.py and, term by
+term, with the live tensor bytes of its --terms (docs/scaling.md); not yet with a measured GPU peak."""
 import dataclasses
 import math
 
@@ -271,14 +271,16 @@ def setup_for(args, device, gpu_bytes, prompt_tokens=PROMPT_TOKENS, eval_rows=0)
     if critic is None:
         return None, why
     outputs, trained = 2 if getattr(args, "critic_head", "") == "separate" else 1, not args.eval_only  # tppo: 2 heads
+    prm = [("implicit PRM", policy, 0, trained)] * hasattr(args, "prm_lr")  # prime.py: a trained copy of the policy
     models = [("policy", policy, 0, trained)] + [("critic", critic, outputs, trained)] * hasattr(args, "critic_model") \
-        + [("reference", policy, 0, False)] * (getattr(args, "kl_coef", 0) > 0)
+        + prm + [("reference", policy, 0, False)] * (getattr(args, "kl_coef", 0) > 0 or bool(prm))
     sequence = prompt_tokens + args.max_response_tokens
     tokens = max(args.micro_batch_tokens, sequence) if args.micro_batch_tokens else args.micro_batch_size * sequence
     vllm = args.generator == "vllm" or bool(gpu_bytes) and args.generator == "auto" and (  # planning for another
         not device.startswith("cuda") or _vllm_installed())  # GPU: vLLM, as recommended; on CPU only when asked
     ranks, problems = dist.world_size(), min(filter(None, (eval_rows, args.eval_problems)), default=0)
-    calls = [(args.prompts_per_step * args.samples_per_prompt // ranks, args.max_response_tokens)] * trained + [
+    rollout = args.prompts_per_step * args.samples_per_prompt // ranks  # prime.py samples --oversample x as many
+    calls = [(rollout * getattr(args, "oversample", 1), args.max_response_tokens)] * trained + [
         ((problems or args.hf_batch_size) * args.eval_n // ranks, args.eval_max_tokens)] * bool(
         args.eval_datasets)  # training rollouts; evaluation (its problems; not known: at least a full HF batch)
     generated = max(((max(n, 1), prompt_tokens + limit) for n, limit in calls),
@@ -287,8 +289,7 @@ def setup_for(args, device, gpu_bytes, prompt_tokens=PROMPT_TOKENS, eval_rows=0)
     setup = Setup(tuple(models), ranks, args.offload_optimizer, tokens, sequence, args.gradient_checkpointing,
                   4 if float32 else 2, "vllm" if vllm else "hf", 0.0, not gpu_bytes,
                   0 if args.micro_batch_tokens else args.micro_batch_size, prompt_tokens, generated,
-                  args.hf_batch_size, vllm and bool(gpu_bytes) and not args.gpu_memory_utilization,
-                  trained * args.prompts_per_step * args.samples_per_prompt // ranks)
+                  args.hf_batch_size, vllm and bool(gpu_bytes) and not args.gpu_memory_utilization, trained * rollout)
     share = (args.gpu_memory_utilization or vllm_share(setup, gpu_bytes)[0]) * gpu_bytes if gpu_bytes else \
         args.vllm_kv_cache_gib * GIB  # vLLM's CPU build: a KV cache of --vllm-kv-cache-gib
     return dataclasses.replace(setup, engine_bytes=max(share, 0.0) * vllm), None
