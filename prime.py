@@ -236,7 +236,8 @@ def main():
         # and with no response cut (with --oversample 1 all of them).
         metrics["accuracy_before_filter"] = rewards.mean().item()
         cut = torch.tensor([c.finish_reason != "stop" for c in completions], device=run.device)
-        kept = accuracy_filter(rewards, cut, args.samples_per_prompt, len(rows) // args.oversample, args.accuracy_bounds)
+        kept = accuracy_filter(rewards, cut, args.samples_per_prompt, len(rows) // args.oversample,
+                               args.accuracy_bounds)
         completions, rewards = [completions[i] for i in kept.tolist()], rewards[kept]
         batch = common.sequence_batch([prompts[c.prompt_index] for c in completions],
                                       [c.token_ids for c in completions], tokenizer.pad_token_id).to(run.device)
