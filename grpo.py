@@ -53,8 +53,8 @@ class Args(infra.cli.RunArgs):
     # advantages divided by the group's std, the batch's, or not (SP3O/DeepSeekMath: group; Dr. GRPO: none)
     advantage_scale: Literal["group", "batch", "none"] = "group"
     kl_coef: float = 0.0  # beta of the k3 KL to a frozen reference, 0: none loaded (SP3O: 0.0; DeepSeekMath: 0.04)
-    # the PPO ratio per token, per response (GSPO: s_i, the geometric mean of its tokens' ratios), or GSPO-token (s_i's
-    # value with each token's own gradient) (SP3O: token)
+    # the PPO ratio per token, per response (GSPO's s_i: the geometric mean of its tokens' ratios) or GSPO-token (s_i's
+    # value, each token's own gradient) (SP3O: token)
     importance_level: Literal["token", "sequence", "sequence-token"] = "token"
     gspo_clip_low: float = 3e-4  # clip epsilon below 1 of the sequence ratio, for those two levels (GSPO: 3e-4)
     gspo_clip_high: float = 4e-4  # clip epsilon above 1 of the sequence ratio (GSPO: 4e-4)

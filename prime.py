@@ -65,8 +65,8 @@ class Args(infra.cli.RunArgs):
     process_coef: float = 5.0  # weight of the implicit process rewards, 0: RLOO on the outcome alone (PRIME: 5.0)
     whiten_advantages: bool = True  # normalize the returns over the batch's valid tokens (PRIME: on)
     kl_coef: float = 0.0  # beta of the k3 KL to the frozen reference (PRIME: 0.0)
-    # the PPO ratio per token, per response (GSPO: s_i, the geometric mean of its tokens' ratios), or GSPO-token (s_i's
-    # value with each token's own gradient) (SP3O: token)
+    # the PPO ratio per token, per response (GSPO's s_i: the geometric mean of its tokens' ratios) or GSPO-token (s_i's
+    # value, each token's own gradient) (SP3O: token)
     importance_level: Literal["token", "sequence", "sequence-token"] = "token"
     gspo_clip_low: float = 3e-4  # clip epsilon below 1 of the sequence ratio, for those two levels (GSPO: 3e-4)
     gspo_clip_high: float = 4e-4  # clip epsilon above 1 of the sequence ratio (GSPO: 4e-4)

@@ -38,7 +38,7 @@ NOT_HELPERS = {"main"}  # the loop itself: kept aligned by `diff`, not identical
 # filter and the two leave-one-out baselines, issue 58). ppo and grpo are the two roots; any other trainer is a fork,
 # whose parent is the project's file it differs from least.
 PARENTS = {"sp3o": ("ppo", 40), "tppo": ("ppo", 100), "sppo": ("ppo", 130), "vapo": ("ppo", 66),
-           "spo": ("grpo", None), "prime": ("grpo", 185)}
+           "spo": ("grpo", None), "prime": ("grpo", 182)}
 ROOTS = ("ppo", "grpo")
 
 
