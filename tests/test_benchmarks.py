@@ -84,6 +84,20 @@ def test_demo_table_summarizes_a_run_from_its_records(monkeypatch):
     assert demo_table.own_settings("sppo") == "prompts_per_step=512, samples_per_prompt=1"
 
 
+def test_demo_table_runs_a_file_with_its_own_flags_under_its_own_name(monkeypatch):
+    """`--methods "gspo=grpo --importance-level sequence"`: grpo.py runs with the flags, its run and records named
+    gspo; its own settings are grpo.py's plus the flags; its parent is grpo (the same file)."""
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    import demo_table
+    monkeypatch.setitem(demo_table.VARIANTS, "gspo", ("grpo", ["--importance-level", "sequence"]))
+    command = demo_table.run_command("gspo", 3, "runs/x", ["--steps", "2"])
+    assert command[1:] == ["grpo.py", "--seed", "3", "--run-name", "demo_gspo_s3", "--output-dir", "runs/x", "--steps",
+                           "2", "--importance-level", "sequence"]
+    assert demo_table.own_settings("gspo") == "--importance-level sequence" and demo_table.file_of("gspo") == "grpo"
+    assert demo_table.parent("gspo", ["ppo", "grpo", "gspo"]) == "grpo"
+    assert demo_table.run_command("ppo", 0, "runs/x", [])[1] == "ppo.py"  # a plain method: its own file
+
+
 def test_variants_table_marks_a_difference_beyond_seed_noise():
     """benchmarks/variants.table: a variant whose gains (0.30, 0.31, 0.32) are far from the preset's (0.60, 0.61,
     0.62) gets a `*`; one within noise does not; the mean of 30.0, 31.0, 32.0 points is 31.0, +- t(2) * 1 / sqrt(3)."""
