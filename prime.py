@@ -37,7 +37,7 @@ class Args(infra.cli.RunArgs):
                                       "math-ai/amc23", "HuggingFaceH4/MATH-500", "math-ai/minervamath")
     prompts_per_step: int = 64  # prompts per rollout, after the filter (PRIME: 64)
     samples_per_prompt: int = 4  # G, samples per prompt (PRIME: 4)
-    oversample: int = 4  # prompts sampled per rollout, in prompts_per_step: the filter keeps those (PRIME: 4)
+    oversample: int = 4  # prompts sampled per rollout, x prompts_per_step, of which the filter keeps those (PRIME: 4)
     # the filter passes a prompt whose group accuracy is in [low, high], none of its responses cut (PRIME: 0.2, 0.8)
     accuracy_bounds: tuple[float, float] = (0.2, 0.8)
     max_response_tokens: int = 3072  # response length limit; truncated responses score 0 (PRIME: 3072)
