@@ -190,3 +190,23 @@ def test_demo_table_commit_marks_code_changes_not_the_records_it_writes(tmp_path
     assert demo_table.commit() == head
     (tmp_path / "grpo.py").write_text("x = 2\n")
     assert demo_table.commit() == head + "+"
+
+
+def test_prime_credit_reads_carries_and_ranks_as_released():
+    """benchmarks/prime_credit.py: the carry digit after a column of 10 or more is kept (1) or dropped (0), after a
+    smaller one spurious (1) or none (0); the ranking accuracy is the released compute_dpo_accuracy's: per group the
+    share of (correct, wrong) pairs in order, 0.5 for a group of equal outcomes, then the mean over groups."""
+    import torch
+
+    import common
+    from benchmarks import prime_credit
+    tokenizer = common.load_model("tiny", "float32", "cpu")[1]
+    text = "8+5+0=13 7+6+1=14 4+3+0=7 1+2+1=4 \\boxed{4743}"  # kept, dropped, spurious
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    rewards = torch.arange(len(ids), dtype=torch.float)[None]  # each token's reward: its position
+    found = prime_credit.carry_rewards(tokenizer, [ids], rewards)
+    assert found == {"kept": [text.index("7+6+1") + 4], "dropped": [text.index("4+3+0") + 4],
+                     "spurious": [text.index("1+2+1") + 4], "none": []}
+    sums, outcomes = torch.tensor([3.0, 1.0, 2.0, 5.0, 0.0, 0.0]), torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])
+    # group 1: (0 > 1) in order, (0 > 2) in order: 1.0; group 2: equal outcomes: 0.5
+    assert prime_credit.rank_accuracy(sums, outcomes, 3) == 0.75
