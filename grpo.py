@@ -1,9 +1,10 @@
 """GRPO: critic-free PPO with a group baseline (DeepSeekMath, arXiv 2402.03300), with the loss options of
-DAPO (clip-higher, token-mean) and Dr. GRPO (no std scaling, sum over max length).
+DAPO (clip-higher, token-mean) and Dr. GRPO (no std scaling, sum over max length), and GSPO's sequence-level ratio.
 
 Per rollout: G samples per prompt; reward R = 1 if the final answer (common.score) matches the gold answer, else
 0 (a response cut off at the length limit scores 0); every token of sample i gets the advantage
-A_i = (R_i - mean of its group) / (std + eps); the policy takes PPO-clip steps on those advantages.
+A_i = (R_i - mean of its group) / (std + eps); the policy takes PPO-clip steps on those advantages, with one ratio per
+token, or with `--importance-level sequence` one per response (GSPO, arXiv 2507.18071).
 
 Usage: `python <this file>` runs the built-in CPU demo; `--model Qwen3-4B-Base` a real run on the data in Args.
 """
@@ -52,6 +53,11 @@ class Args(infra.cli.RunArgs):
     # advantages divided by the group's std, the batch's, or not (SP3O/DeepSeekMath: group; Dr. GRPO: none)
     advantage_scale: Literal["group", "batch", "none"] = "group"
     kl_coef: float = 0.0  # beta of the k3 KL to a frozen reference, 0: none loaded (SP3O: 0.0; DeepSeekMath: 0.04)
+    # the PPO ratio per token, per response (GSPO's s_i: the geometric mean of its tokens' ratios) or GSPO-token (s_i's
+    # value, each token's own gradient) (SP3O: token)
+    importance_level: Literal["token", "sequence", "sequence-token"] = "token"
+    gspo_clip_low: float = 3e-4  # clip epsilon below 1 of the sequence ratio, for those two levels (GSPO: 3e-4)
+    gspo_clip_high: float = 4e-4  # clip epsilon above 1 of the sequence ratio (GSPO: 4e-4)
 
 
 # The CPU demo: the settings shared by the six files (infra.cli.CONTROLLED_TINY_PRESET: rollouts of 512 samples,
@@ -104,6 +110,18 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_hig
     loss = aggregate(torch.maximum(unclipped, clipped), mask, aggregation, **counts)
     clip_fraction = ((clipped > unclipped) & mask).sum() / mask.sum().clamp(min=1)
     return loss, clip_fraction
+
+
+def sequence_log_ratio(logprobs, old_logprobs, mask, level="sequence"):
+    """GSPO (arXiv 2507.18071) eq. 7: log s_i = (1/|y_i|) sum_t log(pi(y_t) / pi_old(y_t)), one value for every token of
+    response i (its gradient spread over them: d log s_i / d log pi(y_t) = 1/|y_i|); "sequence-token" (eq. 13):
+    sg[log s_i] + log pi(y_t) - sg[log pi(y_t)], the same value with each token's own gradient. [B, T], 0 on padding:
+    policy_loss(this, 0, ...) clips s_i per response, as verl's compute_policy_loss_gspo does."""
+    mask = mask.float()
+    log_ratio = ((logprobs - old_logprobs) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+    if level == "sequence-token":
+        return (log_ratio.detach() + logprobs - logprobs.detach()) * mask
+    return log_ratio.expand_as(logprobs) * mask
 
 
 def truncated_importance_weights(trainer_logprobs, engine_logprobs, mask, cap=2.0):
@@ -196,9 +214,12 @@ def main():
                     micro_batch = batch.select(micro)
                     micro_mask, width = micro_batch.response_mask, micro_batch.response_width
                     logprobs = common.response_logprobs(policy, micro_batch, args.temperature)
-                    loss, clip_fraction = policy_loss(
-                        logprobs, old_logprobs[micro, :width], token_advantages[micro, :width], micro_mask,
-                        args.clip_low, args.clip_high, args.aggregation, **counts)
+                    new, old, clip = logprobs, old_logprobs[micro, :width], (args.clip_low, args.clip_high)
+                    if args.importance_level != "token":  # GSPO: log s_i on every token of response i, against 0,
+                        new = sequence_log_ratio(new, old, micro_mask, args.importance_level)
+                        old, clip = torch.zeros_like(old), (args.gspo_clip_low, args.gspo_clip_high)  # its own ranges
+                    loss, clip_fraction = policy_loss(new, old, token_advantages[micro, :width], micro_mask, *clip,
+                                                      args.aggregation, **counts)
                     if reference is not None:
                         kl = k3_kl(logprobs, reference_logprobs[micro, :width])
                         loss = loss + args.kl_coef * aggregate(kl, micro_mask, args.aggregation, **counts)

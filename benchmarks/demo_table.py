@@ -7,12 +7,14 @@ model (its preset), or on SmolLM2-135M-Instruct under `--preset smollm2` (docs/r
 
 Each run is `python <method>.py --seed S --run-name demo_<method>_s<S>` with the file's preset (flags this script
 does not know go to every run, e.g. `--dataset builtin:3`; `--model smollm2-135m-instruct` brings `--preset
-smollm2`). Per method, mean and 95% confidence interval over seeds (Student t) of: held-out accuracy (avg@n of the
---eval-* flags) at each evaluation, labelled by the updates done (the last one follows the last update); the gain
-(last - first); the area under the accuracy curve (mean over the evaluations); the steps to reach 80% of the run's
-own final gain (the first evaluation at or above first + 0.8 * gain); the critic's explained variance over the
-middle third of the run, at the last step, and the first step at which it reaches 0.2 (per seed); the probe's sign
-accuracy (ppo, sp3o, tppo with --probe-every); the wall time and the CPU time (the run's user + sys, os.wait4).
+smollm2`). A method given as `NAME=FILE FLAGS` is a file run with its own flags under its own name, e.g.
+`--methods grpo "gspo=grpo --importance-level sequence"`: its runs are demo_gspo_s<S>, its records gspo_s<S>/.
+Per method, mean and 95% confidence interval over seeds (Student t) of: held-out accuracy (avg@n of the --eval-*
+flags) at each evaluation, labelled by the updates done (the last one follows the last update); the gain (last -
+first); the area under the accuracy curve (mean over the evaluations); the steps to reach 80% of the run's own final
+gain (the first evaluation at or above first + 0.8 * gain); the critic's explained variance over the middle third of
+the run, at the last step, and the first step at which it reaches 0.2 (per seed); the probe's sign accuracy (ppo,
+sp3o, tppo with --probe-every); the wall time and the CPU time (the run's user + sys, os.wait4).
 Then each method against GRPO and against its parent (the other method run whose file differs from it by the fewest
 lines: a fork's parent) by Welch's t on the gain and the area under the curve (t, df, two-sided p), and every pair
 that differs beyond seed noise. The learning curves go to curves.png (infra.plot).
@@ -87,10 +89,19 @@ def run(method, seed, output_dir, extra, probe_every=0, records_dir="", keep_che
     return dict(summarize(records), method=method, seed=seed, seconds=resources["wall_s"], cpu_s=resources["cpu_s"])
 
 
+VARIANTS = {}  # NAME: (FILE, FLAGS) of the methods given as `NAME=FILE FLAGS`
+
+
+def file_of(method):
+    """The trainer file a method runs (without .py): its own, or a variant's."""
+    return VARIANTS.get(method, (method, []))[0]
+
+
 def run_command(method, seed, output_dir, extra, probe_every=0):
-    command = [sys.executable, f"{method}.py", "--seed", str(seed), "--run-name", f"demo_{method}_s{seed}",
-               "--output-dir", output_dir, *extra]
-    return command + ["--probe-every", str(probe_every)] * bool(probe_every and method in PROBED)
+    file, flags = VARIANTS.get(method, (method, []))
+    command = [sys.executable, f"{file}.py", "--seed", str(seed), "--run-name", f"demo_{method}_s{seed}",
+               "--output-dir", output_dir, *extra, *flags]
+    return command + ["--probe-every", str(probe_every)] * bool(probe_every and file in PROBED)
 
 
 def run_flags(command):
@@ -168,13 +179,16 @@ def summarize(records):
 
 def own_settings(method, preset="TINY_PRESET"):
     """The method's own settings in a preset (its file's TINY_PRESET or SMOLLM2_PRESET, read, not imported), e.g.
-    `critic_warmup=5`; the others are infra.cli's CONTROLLED_*_PRESET, the same for every file."""
-    with open(os.path.join(ROOT, f"{method}.py")) as handle:
+    `critic_warmup=5`; the others are infra.cli's CONTROLLED_*_PRESET, the same for every file. A variant adds its
+    flags."""
+    file, flags = VARIANTS.get(method, (method, []))
+    with open(os.path.join(ROOT, f"{file}.py")) as handle:
         tree = ast.parse(handle.read())
     value = next((node.value for node in tree.body if isinstance(node, ast.Assign)
                   and any(getattr(target, "id", "") == preset for target in node.targets)), None)
     keywords = getattr(value, "keywords", [])
-    return ", ".join(f"{k.arg}={ast.literal_eval(k.value)}" for k in keywords) or "-"
+    return ", ".join([f"{k.arg}={ast.literal_eval(k.value)}" for k in keywords] + [shlex.join(flags)] * bool(flags)) \
+        or "-"
 
 
 def interval(values, scale=1.0, digits=1):
@@ -236,7 +250,8 @@ def welch_differs(a, b):
 def parent(method, candidates):
     """Of the other methods run, the one whose file differs from `method`'s by the fewest lines (a fork's parent)."""
     def changed(other):
-        with open(os.path.join(ROOT, f"{other}.py")) as x, open(os.path.join(ROOT, f"{method}.py")) as y:
+        paths = (os.path.join(ROOT, f"{file_of(name)}.py") for name in (other, method))
+        with open(next(paths)) as x, open(next(paths)) as y:
             return sum(line[:1] in "+-" for line in difflib.unified_diff(x.readlines(), y.readlines(), n=0)
                        if not line.startswith(("+++", "---")))
     others = [other for other in candidates if other != method]
@@ -296,7 +311,8 @@ def tables(by_method, preset):
 def main():
     parser = argparse.ArgumentParser(description="\n\n".join(__doc__.split("\n\n")[:2]),  # what it does, examples
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--methods", nargs="+", default=METHODS)
+    parser.add_argument("--methods", nargs="+", default=METHODS, help="trainer files, or NAME=FILE FLAGS: FILE run "
+                        "with FLAGS under NAME (e.g. 'gspo=grpo --importance-level sequence')")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--output-dir", default="", help="the run folders (default: runs/demo_table; with --preset "
                         "smollm2: runs/real_model/<task>)")
@@ -312,6 +328,10 @@ def main():
     parser.add_argument("--from-results", action="store_true", help="no runs: the tables and the figure from "
                         "--records (else from --results, the last record of each method and seed, and the run folders)")
     args, extra = parser.parse_known_args()
+    for spec in [m for m in args.methods if "=" in m]:  # NAME=FILE FLAGS
+        name, command = spec.split("=", 1)
+        VARIANTS[name.strip()] = (shlex.split(command)[0].removesuffix(".py"), shlex.split(command)[1:])
+    args.methods = [m.split("=", 1)[0].strip() for m in args.methods]
     if flag_value(extra, "--model") == REAL_MODEL and not flag_value(extra, "--preset"):
         extra += ["--preset", "smollm2"]  # the real model's controlled comparison
     real = flag_value(extra, "--preset") == "smollm2"

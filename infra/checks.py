@@ -13,11 +13,12 @@ from infra import UserError
 
 POSITIVE_SIZES = ("prompts_per_step", "samples_per_prompt", "mini_batches", "epochs", "micro_batch_size", "eval_n",
                   "keep_checkpoints", "max_skipped_updates", "max_response_tokens", "eval_max_tokens",
-                  "hf_batch_size")
-POSITIVE_NUMBERS = ("lr", "critic_lr", "vllm_kv_cache_gib", "temperature", "grad_clip", "tis_cap")
+                  "hf_batch_size", "oversample", "prm_mini_batches")
+POSITIVE_NUMBERS = ("lr", "critic_lr", "vllm_kv_cache_gib", "temperature", "grad_clip", "tis_cap", "prm_lr",
+                    "prm_grad_clip", "beta")
 FRACTIONS = {"top_p": "(0, 1]", "eval_top_p": "(0, 1]", "gpu_memory_utilization": "[0, 1]", "prob_threshold": "(0, 1]",
              "gamma": "[0, 1]", "lam_actor": "[0, 1]", "lam_critic": "[0, 1]", "lr_warmup": "[0, 1)",
-             "tail_ratio": "[0, 1]", "adam_betas": "[0, 1)"}
+             "tail_ratio": "[0, 1]", "adam_betas": "[0, 1)", "accuracy_bounds": "[0, 1]"}
 MAX_SEED = 2 ** 31 - 1  # NumPy takes seeds below 2**32; each rank adds its rank
 # Other trainers' names for our flags (TRL's GRPOConfig, verl, common habit): an unknown one is answered with ours
 OTHER_NAMES = {"--learning-rate": "--lr", "--critic-learning-rate": "--critic-lr", "--num-generations":

@@ -234,14 +234,17 @@ def gpus_needed(method, shape, offload=False, gpu_gib=CUDA_80GB_GIB, tokens=0, u
     method's defaults (its models, rollout and --max-response-tokens; RunArgs' micro-batch and vLLM share) with the
     changes given: tokens per micro-batch, or `rows` sequences of the longest length; a vLLM share (0: auto)."""
     knobs, run = trainer_defaults(method), RunArgs()  # a critic: --critic-model; a reference: --kl-coef > 0 (spo)
+    prm = "prm_lr" in knobs  # prime: an implicit PRM, trained, and its frozen reference
     models = ((("policy", shape, 0, True),) + (("critic", shape, 1, True),) * ("critic_model" in knobs) +
-              (("reference", shape, 0, False),) * (knobs.get("kl_coef", 0) > 0))
+              (("implicit PRM", shape, 0, True),) * prm + (("reference", shape, 0, False),) * (
+                  knobs.get("kl_coef", 0) > 0 or prm))
     sequence = PROMPT_TOKENS + knobs.get("max_response_tokens", 8192)
     tokens = rows * sequence if rows else tokens or max(run.micro_batch_tokens, sequence)
     utilization, gpu = run.gpu_memory_utilization if utilization is None else utilization, gpu_gib * GIB
-    calls = knobs.get("prompts_per_step", 64) * knobs.get("samples_per_prompt", 8)
+    calls = knobs.get("prompts_per_step", 64) * knobs.get("samples_per_prompt", 8)  # trained on; prime samples more
     for ranks in (1, 2, 4, 8, 16, 32, 64):
-        setup = Setup(models, ranks, offload, tokens, sequence, rows=rows, generated=(calls // ranks, sequence),
+        generated = (calls * knobs.get("oversample", 1) // ranks, sequence)
+        setup = Setup(models, ranks, offload, tokens, sequence, rows=rows, generated=generated,
                       engine_bytes=utilization * gpu, auto_share=not utilization, rollout=calls // ranks)
         setup, problem = fit(setup, gpu, gpu)
         if problem is None:

@@ -1,5 +1,6 @@
 """The memory plan's arithmetic: what one GPU (or a CPU run's process) and its host hold during a run, from the
-model's config.json (infra.hub.config_folder), the method's models, the ranks (FSDP2 shards), the dtype policy,
+model's config.json (infra.hub.config_folder), the method's models (policy; critic on its --critic-model backbone;
+PRIME's implicit PRM; a frozen reference with it or --kl-coef > 0), the ranks (FSDP2 shards), the dtype policy,
 checkpointing, the micro-batch and the rollout engine (vLLM's share: auto, what the trainer leaves; or the HF engine's
 KV cache). The trainer's passes (old log-probs, reference, critic) run with the engine asleep: the update column.
 infra/memory.py prints and checks it. Compared with CPU peaks and live tensor bytes (benchmarks/rehearsal.py,
@@ -39,8 +40,8 @@ FRAGMENTATION = 0.1  # the CUDA caching allocator's reserved-but-unallocated sha
 # messages quote 0.5% (vllm#27508), 6% (ali-vilab/VACE#56), 14% (levihsu/OOTDiffusion#235), 60% (minerva4ai-eu/
 # minerva-benchmarks#42) of allocated: the GPU check's reserved / plan measures it. 0 in the rollout: the engine wakes
 # after torch.cuda.empty_cache() (vllm_engine.py), no transient block held. A CPU run: CPU_HEAP_SLACK
-CUDA_80GB_GIB = 79.11  # an "80 GB" H100 to CUDA (torch's OOM: "total capacity of 79.11 GiB", vllm-project/vllm#27508;
-# nvidia-smi's 81,559 MiB, NVIDIA/nccl#1264, is 79.6 GiB)
+# an "80 GB" H100 to CUDA (torch's OOM: "total capacity of 79.11 GiB", vllm#27508; nvidia-smi's 81,559 MiB: nccl#1264)
+CUDA_80GB_GIB = 79.11
 QWEN3 = {  # published config.json: hidden, layers, heads, KV heads, head_dim, intermediate, vocab, tied embeddings
     "Qwen3-0.6B": (1024, 28, 16, 8, 128, 3072, 151936, True), "Qwen3-1.7B": (2048, 28, 16, 8, 128, 6144, 151936, True),
     "Qwen3-4B": (2560, 36, 32, 8, 128, 9728, 151936, True), "Qwen3-8B": (4096, 36, 32, 8, 128, 12288, 151936, False)}
@@ -72,8 +73,7 @@ class Shape:
         body = self.vocab * self.hidden + self.layers * self.layer_parameters() + self.hidden
         return body + ((self.hidden + 1) * value_head if value_head else (not self.tied) * self.vocab * self.hidden)
 
-    def kv_bytes(self, tokens, dtype_bytes=2):
-        """Keys and values of `tokens` positions over every layer."""
+    def kv_bytes(self, tokens, dtype_bytes=2):  # keys and values of `tokens` positions over every layer
         return tokens * 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
 
 
@@ -81,7 +81,6 @@ def read_shape(name):
     """(Shape, None) from the config.json of --model `name` (a folder, the built-in model, a hub model's config.json
     alone); (None, why not) for an architecture the plan does not know. An unreachable hub raises infra.hub's line."""
     from transformers import AutoConfig
-
     from infra.hub import config_folder
     try:
         config = AutoConfig.from_pretrained(config_folder(name))
@@ -272,14 +271,16 @@ def setup_for(args, device, gpu_bytes, prompt_tokens=PROMPT_TOKENS, eval_rows=0)
     if critic is None:
         return None, why
     outputs, trained = 2 if getattr(args, "critic_head", "") == "separate" else 1, not args.eval_only  # tppo: 2 heads
+    prm = [("implicit PRM", policy, 0, trained)] * hasattr(args, "prm_lr")  # prime.py: a trained copy of the policy
     models = [("policy", policy, 0, trained)] + [("critic", critic, outputs, trained)] * hasattr(args, "critic_model") \
-        + [("reference", policy, 0, False)] * (getattr(args, "kl_coef", 0) > 0)
+        + prm + [("reference", policy, 0, False)] * (getattr(args, "kl_coef", 0) > 0 or bool(prm))
     sequence = prompt_tokens + args.max_response_tokens
     tokens = max(args.micro_batch_tokens, sequence) if args.micro_batch_tokens else args.micro_batch_size * sequence
     vllm = args.generator == "vllm" or bool(gpu_bytes) and args.generator == "auto" and (  # planning for another
         not device.startswith("cuda") or _vllm_installed())  # GPU: vLLM, as recommended; on CPU only when asked
     ranks, problems = dist.world_size(), min(filter(None, (eval_rows, args.eval_problems)), default=0)
-    calls = [(args.prompts_per_step * args.samples_per_prompt // ranks, args.max_response_tokens)] * trained + [
+    rollout = args.prompts_per_step * args.samples_per_prompt // ranks  # prime.py samples --oversample x as many
+    calls = [(rollout * getattr(args, "oversample", 1), args.max_response_tokens)] * trained + [
         ((problems or args.hf_batch_size) * args.eval_n // ranks, args.eval_max_tokens)] * bool(
         args.eval_datasets)  # training rollouts; evaluation (its problems; not known: at least a full HF batch)
     generated = max(((max(n, 1), prompt_tokens + limit) for n, limit in calls),
@@ -288,8 +289,7 @@ def setup_for(args, device, gpu_bytes, prompt_tokens=PROMPT_TOKENS, eval_rows=0)
     setup = Setup(tuple(models), ranks, args.offload_optimizer, tokens, sequence, args.gradient_checkpointing,
                   4 if float32 else 2, "vllm" if vllm else "hf", 0.0, not gpu_bytes,
                   0 if args.micro_batch_tokens else args.micro_batch_size, prompt_tokens, generated,
-                  args.hf_batch_size, vllm and bool(gpu_bytes) and not args.gpu_memory_utilization,
-                  trained * args.prompts_per_step * args.samples_per_prompt // ranks)
+                  args.hf_batch_size, vllm and bool(gpu_bytes) and not args.gpu_memory_utilization, trained * rollout)
     share = (args.gpu_memory_utilization or vllm_share(setup, gpu_bytes)[0]) * gpu_bytes if gpu_bytes else \
         args.vllm_kv_cache_gib * GIB  # vLLM's CPU build: a KV cache of --vllm-kv-cache-gib
     return dataclasses.replace(setup, engine_bytes=max(share, 0.0) * vllm), None

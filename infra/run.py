@@ -105,8 +105,7 @@ class Run:
                   sep="\n")
             if not self.eval_sets:
                 print(data.NO_EVAL_SETS)
-        self.probe_rows = next(iter(self.eval_sets.values()), [])  # held-out prompts of the critic probes (cli:
-        # --probe-every needs --eval-datasets)
+        self.probe_rows = next(iter(self.eval_sets.values()), [])  # probes' prompts (--probe-every needs held-out sets)
         self.skipped_in_a_row, self.stopping, self.saved, self.evaluations = 0, False, False, []  # (step, metrics)
         self.step_rng, self.updated_step = None, None  # the RNG states as the current step began; its last update
         self.trainer, self.started = os.path.basename(trainer_file), time.time()
@@ -165,8 +164,9 @@ class Run:
             print(continue_hint(self.dir), file=sys.stderr)
 
     def training_rows(self, step):
-        """This rank's share of the prompts of rollout `step` (a function of the step: exact resume)."""
-        return dist.rank_share(data.step_rows(self.train_rows, step, self.args.prompts_per_step, self.args.seed))
+        """This rank's share of the prompts of rollout `step` (a function of the step: exact resume), x --oversample."""
+        count = self.args.prompts_per_step * getattr(self.args, "oversample", 1)  # prime.py's filter keeps 1/oversample
+        return dist.rank_share(data.step_rows(self.train_rows, step, count, self.args.seed))
 
     def evaluate(self, step):
         """Held-out evaluation with the --eval-* flags (its own seed: training randomness is untouched) of the

@@ -84,6 +84,20 @@ def test_demo_table_summarizes_a_run_from_its_records(monkeypatch):
     assert demo_table.own_settings("sppo") == "prompts_per_step=512, samples_per_prompt=1"
 
 
+def test_demo_table_runs_a_file_with_its_own_flags_under_its_own_name(monkeypatch):
+    """`--methods "gspo=grpo --importance-level sequence"`: grpo.py runs with the flags, its run and records named
+    gspo; its own settings are grpo.py's plus the flags; its parent is grpo (the same file)."""
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    import demo_table
+    monkeypatch.setitem(demo_table.VARIANTS, "gspo", ("grpo", ["--importance-level", "sequence"]))
+    command = demo_table.run_command("gspo", 3, "runs/x", ["--steps", "2"])
+    assert command[1:] == ["grpo.py", "--seed", "3", "--run-name", "demo_gspo_s3", "--output-dir", "runs/x", "--steps",
+                           "2", "--importance-level", "sequence"]
+    assert demo_table.own_settings("gspo") == "--importance-level sequence" and demo_table.file_of("gspo") == "grpo"
+    assert demo_table.parent("gspo", ["ppo", "grpo", "gspo"]) == "grpo"
+    assert demo_table.run_command("ppo", 0, "runs/x", [])[1] == "ppo.py"  # a plain method: its own file
+
+
 def test_variants_table_marks_a_difference_beyond_seed_noise():
     """benchmarks/variants.table: a variant whose gains (0.30, 0.31, 0.32) are far from the preset's (0.60, 0.61,
     0.62) gets a `*`; one within noise does not; the mean of 30.0, 31.0, 32.0 points is 31.0, +- t(2) * 1 / sqrt(3)."""
@@ -184,3 +198,23 @@ def test_help_says_what_the_script_does_in_whole_sentences():
         printed = run_script(script, "--help")
         description = printed.split("\n\n")[1]  # after the usage lines
         assert description.endswith("."), (script, description)
+
+
+def test_prime_credit_reads_carries_and_ranks_as_released():
+    """benchmarks/prime_credit.py: the carry digit after a column of 10 or more is kept (1) or dropped (0), after a
+    smaller one spurious (1) or none (0); the ranking accuracy is the released compute_dpo_accuracy's: per group the
+    share of (correct, wrong) pairs in order, 0.5 for a group of equal outcomes, then the mean over groups."""
+    import torch
+
+    import common
+    from benchmarks import prime_credit
+    tokenizer = common.load_model("tiny", "float32", "cpu")[1]
+    text = "8+5+0=13 7+6+1=14 4+3+0=7 1+2+1=4 \\boxed{4743}"  # kept, dropped, spurious
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    rewards = torch.arange(len(ids), dtype=torch.float)[None]  # each token's reward: its position
+    found = prime_credit.carry_rewards(tokenizer, [ids], rewards)
+    assert found == {"kept": [text.index("7+6+1") + 4], "dropped": [text.index("4+3+0") + 4],
+                     "spurious": [text.index("1+2+1") + 4], "none": []}
+    sums, outcomes = torch.tensor([3.0, 1.0, 2.0, 5.0, 0.0, 0.0]), torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])
+    # group 1: (0 > 1) in order, (0 > 2) in order: 1.0; group 2: equal outcomes: 0.5
+    assert prime_credit.rank_accuracy(sums, outcomes, 3) == 0.75

@@ -89,7 +89,7 @@ def test_every_trainer_pass_runs_with_the_engine_asleep(loop, monkeypatch, tmp_p
     passes = [event for event in events if event.split()[0] in ("logprobs", "critic")]
     assert passes and all(event.endswith("asleep") for event in passes), events
     assert events.count("sleep") >= 2, events  # one per step at least
-    if trainer not in ("grpo", "spo"):
+    if trainer not in ("grpo", "spo", "prime"):  # PRIME's PRM and reference are causal LMs: logprobs passes
         assert "critic asleep" in passes, events
     # each rollout's first pass follows the sleep that came right after the rollout's last generate call
     for index, event in enumerate(events):

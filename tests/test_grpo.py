@@ -404,3 +404,97 @@ def test_bf16_compute_keeps_float32_weights(tiny_path, rollout):
     assert mixed.model.norm.weight.dtype == torch.float32 and mixed.compute_dtype == torch.bfloat16
     gap = (common.response_logprobs(mixed, batch) - common.response_logprobs(exact, batch))[batch.response_mask]
     assert 0 < gap.abs().median() < 0.01 and gap.abs().max() < 0.5  # bf16 numerics: close, not equal (autocast ran)
+
+
+# ----------------------------------------------------------------------------------------------
+# GSPO (Zheng et al. 2025, arXiv 2507.18071), --importance-level sequence: one ratio per response,
+# s_i = (pi(y_i) / pi_old(y_i))^(1/|y_i|) = exp(mean_t log(pi(y_t) / pi_old(y_t))) (eq. 7), clipped per response at
+# (1 - 3e-4, 1 + 4e-4) (§5.1), loss -(1/G) sum_i min(s_i A_i, clip(s_i) A_i) (eq. 5).
+# ----------------------------------------------------------------------------------------------
+# Response 0: 2 tokens with log-ratios 0.001 and 0.003 (mean 0.002, s = e^0.002 = 1.002002, above 1 + 4e-4);
+# response 1: 3 tokens, -0.0001, 0.0002, -0.0004 (mean -0.0001, s = 0.9999, inside the range); padding junk 9.
+GSPO_MASK = torch.tensor([[True, True, False], [True, True, True]])
+GSPO_OLD = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -0.7, -1.5]])
+GSPO_NEW = GSPO_OLD + torch.tensor([[0.001, 0.003, 9.0], [-0.0001, 0.0002, -0.0004]])
+
+
+def gspo_loss(new, advantages, level="sequence", aggregation="seq-mean"):
+    ratio = grpo.sequence_log_ratio(new, GSPO_OLD, GSPO_MASK, level)
+    return grpo.policy_loss(ratio, torch.zeros_like(ratio), advantages, GSPO_MASK, 3e-4, 4e-4, aggregation)
+
+
+def test_gspo_sequence_ratio_and_loss_by_hand():
+    log_ratio = grpo.sequence_log_ratio(GSPO_NEW, GSPO_OLD, GSPO_MASK)
+    # every token of a response holds its s_i; padding 0
+    assert torch.allclose(log_ratio, torch.tensor([[0.002, 0.002, 0.0], [-0.0001, -0.0001, -0.0001]]), atol=1e-7)
+    s0, s1 = math.exp(0.002), math.exp(-0.0001)
+    for a0, a1 in ((1.0, -0.5), (-1.0, 2.0)):
+        advantages = torch.tensor([[a0] * 3, [a1] * 3])
+        loss, clip_fraction = gspo_loss(GSPO_NEW, advantages)
+        # eq. 5 per response: -min(s A, clip(s, 1 - 3e-4, 1 + 4e-4) A), then the mean over the 2 responses
+        expected = [-min(s * a, min(max(s, 1 - 3e-4), 1 + 4e-4) * a) for s, a in ((s0, a0), (s1, a1))]
+        assert loss.item() == pytest.approx(sum(expected) / 2, rel=1e-6)
+        # A0 = 1: response 0's s above 1 + 4e-4 is clipped, its 2 tokens of the 5; A0 = -1: the unclipped term wins
+        assert clip_fraction.item() == pytest.approx(2 / 5 if a0 > 0 else 0.0)
+
+
+def test_gspo_gradient_is_shared_by_a_responses_tokens_and_zero_once_clipped():
+    # d(-s_i A_i / G) / d log pi(y_t) = -A_i s_i / (|y_i| G) on each of response i's tokens: the same for all of them.
+    new = GSPO_NEW.clone().requires_grad_(True)
+    gspo_loss(new, torch.tensor([[1.0] * 3, [-0.5] * 3]))[0].backward()
+    s1 = math.exp(-0.0001)
+    assert new.grad[0].tolist() == [0.0, 0.0, 0.0]  # response 0 is clipped (s above 1 + 4e-4, A > 0): no gradient
+    assert torch.allclose(new.grad[1], torch.full((3,), 0.5 * s1 / (3 * 2)), rtol=1e-6)
+    # the token ratio instead: each token its own ratio and clip (0.001 and 0.003 both inside +-0.2), gradients differ
+    token = GSPO_NEW.clone().requires_grad_(True)
+    grpo.policy_loss(token, GSPO_OLD, torch.tensor([[1.0] * 3, [-0.5] * 3]), GSPO_MASK, 0.2, 0.2, "seq-mean")[
+        0].backward()
+    assert token.grad[0, 0] != token.grad[0, 1]
+
+
+def test_gspo_token_equals_gspo_with_one_advantage_per_response():
+    # eq. 13: s_{i,t} = sg[s_i] pi(y_t) / sg[pi(y_t)]: the value of s_i, and with A_{i,t} = A_i the same gradient
+    advantages = torch.tensor([[1.0] * 3, [-0.5] * 3])
+    sequence, token = (GSPO_NEW.clone().requires_grad_(True) for _ in range(2))
+    loss_sequence, clip_sequence = gspo_loss(sequence, advantages, "sequence")
+    loss_token, clip_token = gspo_loss(token, advantages, "sequence-token")
+    (loss_sequence + loss_token).backward()
+    assert loss_sequence.item() == pytest.approx(loss_token.item()) and clip_sequence == clip_token
+    assert torch.allclose(sequence.grad, token.grad, atol=1e-9)
+    # per-token advantages: each token is weighted by its own A_{i,t} (GSPO-token's purpose)
+    uneven = torch.tensor([[1.0, 1.0, 0.0], [-0.5, 1.0, 0.25]])
+    token = GSPO_NEW.clone().requires_grad_(True)
+    gspo_loss(token, uneven, "sequence-token")[0].backward()
+    s1 = math.exp(-0.0001)
+    assert torch.allclose(token.grad[1], torch.tensor([0.5, -1.0, -0.25]) * s1 / (3 * 2), rtol=1e-6)
+
+
+def test_gspo_defaults_are_the_papers_clip_ranges_and_off_by_default():
+    args = infra.cli.parse_args(grpo.Args, grpo.TINY_PRESET, ["--model", "Qwen3-4B-Base"])
+    assert (args.importance_level, args.gspo_clip_low, args.gspo_clip_high) == ("token", 3e-4, 4e-4)
+    tiny = infra.cli.parse_args(grpo.Args, grpo.TINY_PRESET, ["--importance-level", "sequence"])
+    assert (tiny.importance_level, tiny.clip_low, tiny.clip_high) == ("sequence", 0.2, 0.2)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence", "sequence-token"])
+def test_the_loop_hands_the_policy_loss_the_ratio_of_its_level(level, monkeypatch, tmp_path):
+    # One update of the tiny model on a scripted rollout: the loop's policy_loss gets, per micro-batch, the token
+    # log-probs against the old ones at the token clip ranges, or log s_i against 0 at GSPO's (one value per response)
+    from test_loss_terms import ONE_UPDATE, run_one_step
+    calls = []
+    real = grpo.policy_loss
+
+    def recording(new, old, advantages, mask, clip_low, clip_high, *args, **kwargs):
+        calls.append((new.detach().clone(), old.clone(), mask.clone(), clip_low, clip_high))
+        return real(new, old, advantages, mask, clip_low, clip_high, *args, **kwargs)
+    monkeypatch.setattr(grpo, "policy_loss", recording)
+    record, models = run_one_step(monkeypatch, tmp_path, "grpo", ONE_UPDATE + ["--importance-level", level], "stop")
+    assert len(calls) == 2 and math.isfinite(record["policy_loss"])  # 8 samples in micro-batches of 4
+    for new, old, mask, clip_low, clip_high in calls:
+        if level == "token":
+            assert (clip_low, clip_high) == (0.2, 0.2) and old.abs().sum() > 0  # the rollout's own log-probs
+            assert any(len(set(row[row_mask].tolist())) > 1 for row, row_mask in zip(new, mask))
+            continue
+        assert (clip_low, clip_high) == (3e-4, 4e-4) and torch.equal(old, torch.zeros_like(old))
+        for row, row_mask in zip(new, mask):  # one ratio per response, the same on each of its tokens
+            assert len(set(row[row_mask].tolist())) == 1

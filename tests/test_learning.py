@@ -27,8 +27,11 @@ SMALL = ["--seed", 0, "--prompts-per-step", 8, "--micro-batch-size", 64, "--eval
 # One critic pass, as published and as measured below (the preset's 4, seeds 0 and 1: ppo and sp3o gained 0.25-0.375,
 # tppo 0.375 and 0.0625).
 ONE_PASS = ["--critic-epochs", 1]
+# PRIME: its implicit PRM 10x slower than the demo's (6e-5, twice the policy's lr as released): at 6e-5 the process
+# rewards drive this run down (seed 0: 0.5 -> 0.0625 in 8 steps; --process-coef 0, RLOO alone: 0.5 -> 0.8125), as they
+# do the demo (docs/testbed.md); at 6e-6 it gains 0.5 -> 0.75.
 TRAINERS = with_forks({"grpo": [], "ppo": ONE_PASS, "sp3o": ONE_PASS, "tppo": ONE_PASS,
-                       "sppo": ["--prompts-per-step", 64], "spo": []})
+                       "sppo": ["--prompts-per-step", 64], "spo": [], "prime": ["--prm-lr", 6e-6]})
 EVAL_GAIN = 0.125  # held-out greedy accuracy, last step (after its update) minus step 0 (multiples of 1/16)
 REWARD_GAIN = 0.1  # mean training reward of the last 4 rollouts minus that of the rollouts before any actor update
 

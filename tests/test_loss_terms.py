@@ -2,17 +2,18 @@
 a scripted rollout) with that term alone, checked for its direction and its scale against the rule computed here.
 
 The terms, read from each file's Args and main() (none of the six has an entropy bonus or a value coefficient):
-- the k3 KL to the frozen reference, beta = --kl-coef, in all six: reduced like the policy loss in grpo.py and the
-  ppo.py family (token-mean; ppo.py's and sp3o.py's published seq-mean), by SPO's released rule in spo.py (kl_loss:
+- the k3 KL to the frozen reference, beta = --kl-coef, in all of them: reduced like the policy loss in grpo.py,
+  prime.py and the ppo.py family (token-mean; ppo.py's and sp3o.py's published seq-mean), by SPO's released rule in spo.py (kl_loss:
   k3 summed over each sequence's probability-masked tokens, averaged over the sequences);
 - the critic's value loss in ppo.py, sp3o.py (dense in the warm-up, at the anchors after), tppo.py, sppo.py, vapo.py:
   always on, its own model and optimizer, no coefficient flag (its step size is --critic-lr's), so only its direction.
-(vapo.py's positive-example LM loss, --nll-coef: tests/test_vapo.py, through this file's run_one_step.)
+(vapo.py's positive-example LM loss, --nll-coef: tests/test_vapo.py, through this file's run_one_step; prime.py's
+implicit PRM, its own model and loss: tests/test_prime.py.)
 
 KL. The reference is the checkpoint; the policy starts from it perturbed (every weight times 1 + 0.05 N(0, 1), a
 fixed seed), so the KL is not 0 before the first update (with policy = reference it and its gradient are 0). Every
 response is the scripted engine's, cut at the length limit: every reward 0, so every advantage is exactly 0 (GRPO:
-equal rewards in a group; SPO: R = 0 and Monte Carlo values 0; PPO and SP3O: a critic head set to 0 reads V = 0;
+equal rewards in a group; PRIME, its process rewards off: R's leave-one-out, 0; SPO: R = 0 and Monte Carlo values 0; PPO and SP3O: a critic head set to 0 reads V = 0;
 SPPO: a head reading f(x) = -1e4, V(x) = 0; TPPO: V = 1/2 everywhere, whitened to 0). The policy loss then has no
 gradient and the update is beta x the KL's alone. Checked against the KL computed here with a plain forward pass:
 - direction: after one optimizer step the KL to the reference (the same tokens, the same reduction) is lower;
@@ -54,6 +55,8 @@ KL_CASES = with_forks({
     "sppo": (CRITIC + SPPO + ["--aggregation", "token-mean"], -1e4, "token-mean"),
     "spo": (["--aggregation", "token-mean", "--mc-samples", 3, "--lr-schedule", "constant", "--whiten-advantages"],
             None, "spo"),
+    # PRIME: the PRM's process rewards are not 0 even at R = 0 (the PRM learns from the rollout): the outcome alone
+    "prime": (["--aggregation", "token-mean", "--process-coef", 0.0], None, "token-mean"),
 })
 BETAS = {"spo": 1e-4}  # SPO's published beta; the others publish none (the KL is off): 1e-3
 

@@ -4,7 +4,7 @@ A field of a trainer's `Args` (and of infra/cli.py's `RunArgs`) labels its defau
 `(NAME: value)`, NAME one of SOURCES (`SP3O/SPPO: 0.1` for several; what follows a `;` is another source's value,
 for contrast), or `(ours...)`; a field without a label is ours. docs/methods.md has a table per file under
 "### Defaults of `<file>`", a row `| `knob` | value | source |` per knob, the source starting with a NAME or
-"ours". Checked: every knob of the six trainers has a row, and every labelled RunArgs field; a row's value is the
+"ours". Checked: every knob of the trainers has a row, and every labelled RunArgs field; a row's value is the
 file's default (read with ast, not imported, as infra.cli.trainer_defaults reads it) and so is a label's; a labelled
 knob's row names one of the label's sources, any other knob's row says ours; no comment says "published" without
 naming whose; no row is left for a knob the file lacks."""
@@ -17,8 +17,8 @@ import tokenize
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAINERS = ("grpo", "ppo", "sp3o", "tppo", "sppo", "spo", "vapo")
-SOURCES = ("SP3O", "SPPO", "SPO", "TPPO", "verl", "DeepSeekMath", "DAPO", "VAPO", "VC-PPO")
+TRAINERS = ("grpo", "ppo", "sp3o", "tppo", "sppo", "spo", "vapo", "prime")
+SOURCES = ("SP3O", "SPPO", "SPO", "TPPO", "verl", "DeepSeekMath", "DAPO", "VAPO", "VC-PPO", "PRIME", "GSPO")
 _NAME = "|".join(sorted(map(re.escape, SOURCES), key=len, reverse=True))
 NAMES = rf"(?:{_NAME})(?:/(?:{_NAME}))*"
 LABEL = re.compile(rf"\((?P<names>{NAMES}): (?P<value>[^;)]+)[^)]*\)|\((?P<ours>ours)\b")
@@ -116,7 +116,7 @@ def problems(file_fields, table, every_knob=True):
 DOCS = tables(read(os.path.join("docs", "methods.md")))
 
 
-def test_the_tables_are_the_six_trainers_and_the_run_flags():
+def test_the_tables_are_the_trainers_and_the_run_flags():
     assert set(DOCS) == {f"{name}.py" for name in TRAINERS} | {"infra/cli.py"}
 
 
