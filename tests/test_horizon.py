@@ -64,19 +64,27 @@ def test_a_response_scores_by_its_k_decisions_alone(late):
         assert common.score(broken, row) == float(all(right))
         assert horizon.parse_response(text, row) == (right, True)
         assert horizon.parse_response(broken, row)[1] is False
-    assert text.startswith(" 008") == late and text.endswith("}") == late
+    assert text.startswith(" 800") == late and text.endswith("}") == late
     tokens = infra.tiny.char_tokenizer()(text, add_special_tokens=False)["input_ids"]
-    assert len(tokens) == 64 + 3 + 8 + late  # H, K, `\boxed{}` and its separator, late's leading space
+    assert len(tokens) == 64 + 12  # H, then `\\boxed{ddd}` and its padding (first) or its spaces (last)
 
 
-def test_the_stretch_counts_down_and_its_random_letters_are_found():
+def test_the_stretch_counts_down_units_first_and_its_random_letters_are_found():
     rng = random.Random(1)
-    row = horizon.horizon_rows("train", 1, 0, "horizon-k1-h24")[0]
+    row = horizon.horizon_rows("train", 12, 0, "horizon-k1-h96")[0]
     text = horizon.solution(row, rng, [True])
-    assert re.fullmatch(r"\\boxed\{\d\} 003[u-z]{4} 002[u-z]{4} 001[u-z]{4}", text), text
+    # 12 blocks: 012 written 210, then 110, 010 (a borrow shows as the 9 of 900), ..., 100; padded to K = 4's width
+    assert re.fullmatch(r"\\boxed\{\d\}    210[u-z]{4} 110[u-z]{4} 010[u-z]{4} 900[u-z]{4} 800[u-z]{4} 700[u-z]{4} "
+                        r"600[u-z]{4} 500[u-z]{4} 400[u-z]{4} 300[u-z]{4} 200[u-z]{4} 100[u-z]{4}", text), text
     positions = horizon.stretch_positions(text)
-    assert len(positions) == 12 and all(text[i] in horizon.STRETCH_LETTERS for i in positions)
-    assert text[positions[0] - 3:positions[0]] == "003"
+    assert len(positions) == 48 and all(text[i] in horizon.STRETCH_LETTERS for i in positions)
+    assert text[positions[0] - 3:positions[0]] == "210"
+    keys = horizon.key_positions(row, text)  # the build's weighted tokens: the decision, every counter digit, the end
+    assert "".join(text[i] for i in keys[:-1]) == text[7] + "".join(f"{c:03d}"[::-1] for c in range(12, 0, -1))
+    assert keys[-1] == len(text)
+    for k in (1, 2, 4):  # the first block sits as far from the question at every K
+        row = horizon.horizon_rows("train", 1, 0, f"horizon-k{k}-h16")[0]
+        assert horizon.solution(row, rng).index("200") == len("\\boxed{}") + horizon.MAX_DECISIONS + 1
 
 
 @pytest.mark.parametrize("k", [1, 3])
