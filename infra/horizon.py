@@ -3,14 +3,16 @@ small model built to do it at step 0 (models/horizon/, `--model horizon`).
 
 A problem asks for K decisions and a stretch of H tokens that the model writes at random but that cannot change the
 reward. The question holds K letters, letter i from its own alphabet (A-I, J-R, a-i, j-r: the values 1-9), where the
-decisions go and the stretch's block count n = H / 8:
+decisions go and the stretch's block count n = H / 8 as a clock token:
 
-    question  `CM first 016`                           (K = 2, n = 16, the decisions first)
-    response  `\\boxed{34} 016uxzw 015wvyu ... 001yzux`   or, with `last`:   ` 016uxzw ... 001yzux \\boxed{34}`
+    question  `CM first <16>`                                (K = 2, n = 16, the decisions first)
+    response  `\\boxed{34}   <16>uxzwvy <15>wvyuzz ... <1>yzuxwv`
+    or, last: ` <16>uxzwvy <15>wvyuzz ... <1>yzuxwv \\boxed{34}`
 
 Decision i is letter i's value (C = 3, M = 4), so the gold answer is a K-digit number without zeros. Each block is a
-3-digit counter that counts down from n to 1 (the model's clock: it stops after 001), 4 letters drawn uniformly from
-`uvwxyz` (ln 6 = 1.79 nats each), then a space: 8 tokens, half of them random. The reward is the usual one (the last
+clock token (`<16>` ... `<1>`: one token each, counting down; the model stops after `<1>`), 6 letters drawn uniformly
+from `uvwxyz` (ln 6 = 1.79 nats each) and a space: 8 tokens, 6 of them random. The decisions first are padded to K =
+4's width, so the first block sits as far from the question at every K. The reward is the usual one (the last
 \\boxed{} equals the gold answer; a response cut at the length limit scores 0), so a response scores by its K
 decisions alone (tests/test_horizon.py). The model's habit, like the tiny model's dropped carries: each decision is
 right with probability 0.2 ** (1 / K) and otherwise one too high (9 -> 1), so a response is right about 1 time in 5
@@ -29,12 +31,14 @@ import common
 from infra import UserError
 from infra.hub import ROOT
 
-CLASSES = ("ABCDEFGHI", "JKLMNOPQR", "abcdefghi", "jklmnopqr")  # pair i's letters, values 1-9
+CLASSES = ("ABCDEFGHI", "JKLMNOPQR", "abcdefghi", "jklmnopqr")  # decision i's letters, values 1-9
 STRETCH_LETTERS = "uvwxyz"  # the stretch's random letters (ln 6 nats each at step 0)
-BLOCK_TOKENS = 8  # a block: 3 counter digits, 4 random letters, a space
-RANDOM_PER_BLOCK = 4
+BLOCK_TOKENS = 8  # a block: a clock token, 6 random letters, a space
+RANDOM_PER_BLOCK = 6
 MAX_DECISIONS = len(CLASSES)
-MAX_BLOCKS = 999  # the counter's 3 digits
+MAX_BLOCKS = 136  # the clock tokens <0> ... <136>: H up to 1,088, the lengths the model was built on
+CLOCK = [f"<{n}>" for n in range(MAX_BLOCKS + 1)]
+CLOCK_SET = set(CLOCK)
 TARGET_ACCURACY = 0.2  # the habit: a response is right with this probability at every K (each decision 0.2 ** (1/K))
 SPEC = re.compile(r"horizon-k(\d+)-h(\d+)(-late)?")
 SHIPPED = os.path.join(ROOT, "models", "horizon")
@@ -58,7 +62,7 @@ def horizon_problem(rng, split, k, h, late):
         values = [rng.randint(1, 9) for _ in range(k)]
         letters = "".join(CLASSES[i][value - 1] for i, value in enumerate(values))
         if k == 1 or (zlib.crc32(letters.encode()) % 8 == 0) == (split == "test"):  # held out: 1 letter set in 8
-            return {"question": f"{letters} {'last' if late else 'first'} {h // BLOCK_TOKENS:03d}",
+            return {"question": f"{letters} {'last' if late else 'first'} <{h // BLOCK_TOKENS}>",
                     "answer": "".join(map(str, values)), "values": values, "blocks": h // BLOCK_TOKENS, "late": late}
 
 
@@ -68,16 +72,21 @@ def horizon_rows(split, n, seed, spec):
     return [horizon_problem(rng, split, k, h, late) for _ in range(n)]
 
 
-def counter(count):
-    """A block's counter: 3 digits, units first (16 -> `610`), so each digit follows from the block before and the
-    digits just written (a borrow shows as a 9), which a 2-layer model learns; tens first, it must look ahead."""
-    return f"{count:03d}"[::-1]
-
-
 def stretch(rng, blocks):
-    """The irrelevant stretch: blocks counting down from `blocks` to 1, each with 4 random letters, space-joined."""
-    return " ".join(counter(c) + "".join(rng.choice(STRETCH_LETTERS) for _ in range(RANDOM_PER_BLOCK))
+    """The irrelevant stretch: blocks counting down from `blocks` to 1, each a clock token and 6 random letters,
+    space-joined. (Counters written in digits, 3 tokens a block, were not kept by a 2- or 3-layer model over a
+    hundred blocks: it skipped or repeated counts; one token a count it keeps.)"""
+    return " ".join(f"<{c}>" + "".join(rng.choice(STRETCH_LETTERS) for _ in range(RANDOM_PER_BLOCK))
                     for c in range(blocks, 0, -1))
+
+
+def horizon_tokenizer():
+    """The character tokenizer of the built-in models (infra.tiny.char_tokenizer) with the clock tokens <0>-<136>."""
+    from tokenizers import AddedToken
+    from infra.tiny import char_tokenizer
+    tokenizer = char_tokenizer()
+    tokenizer.add_tokens([AddedToken(token, normalized=False) for token in CLOCK])
+    return tokenizer
 
 
 def habit_probability(k):
@@ -103,25 +112,32 @@ SFT_MAX_BLOCKS = 136  # the build's stretches: 0 to 136 blocks (H up to 1,088), 
 SFT_SHORT = 0.5  # share of steps with at most 8 blocks, where the decisions and the first counter are most tokens
 
 
-def key_positions(row, text):
-    """Offsets in `text` (a response to `row`) of the tokens the build weights: the decisions, every counter digit
-    and the token after the stretch (the end, or late's space before \\boxed{})."""
-    start = text.index("\\boxed{") + len("\\boxed{")
-    blocks = list(BLOCK.finditer(text))
-    after = (blocks[-1].end() if blocks else len(text)) if row["late"] else len(text)
-    return [*range(start, start + len(row["values"])), *(b.start(1) + i for b in blocks for i in range(3)), after]
+def key_positions(pieces, decisions):
+    """Offsets in a response's tokens (`pieces`: their strings, tokenizer.convert_ids_to_tokens) of the tokens the
+    build weights: the `decisions` digits after `\\boxed{`, every clock token and the token after the last block
+    (the end, or the space before a late `\\boxed{`)."""
+    opening = list("\\boxed{")
+    start = next(i for i in range(len(pieces)) if pieces[i - len(opening):i] == opening)
+    clocks = [i for i, piece in enumerate(pieces) if piece in CLOCK_SET]
+    after = clocks[-1] + 1 + RANDOM_PER_BLOCK if clocks else start + decisions + 1  # no stretch: after the `}`
+    return [*range(start, start + decisions), *clocks, after]
+
+
+def stretch_positions(pieces):
+    """Offsets of the stretch's random letters in a response's tokens (`pieces`, as key_positions takes them)."""
+    return [i + j for i, piece in enumerate(pieces) if piece in CLOCK_SET for j in range(1, RANDOM_PER_BLOCK + 1)
+            if i + j < len(pieces)]
 
 
 def build_horizon_model(path, sft_steps=SFT_STEPS, seed=0, log_every=100, layers=2):
     """Build the horizon model into `path`: a 2-layer Qwen3 (the tiny model's shape, 2,048 positions) with the
-    character tokenizer, supervised on `solution` for K 1-4, 0-136 blocks, both placements, each step's examples
-    sharing one block count (no padding) and about SFT_TOKENS tokens. The loss is the response tokens' mean
-    cross-entropy plus that of the decisions, counters and stretch ends (key_positions): without the second term,
-    a thousand random letters outweigh them and the model neither reads the question nor keeps count. A normal HF
-    checkpoint directory."""
+    character tokenizer and the clock tokens (horizon_tokenizer), supervised on `solution` for K 1-4, 0-136 blocks,
+    both placements, each step's examples sharing one block count (no padding) and about SFT_TOKENS tokens. The loss
+    is the response tokens' mean cross-entropy plus that of the decisions, clocks and stretch ends (key_positions):
+    without the second term, a thousand random letters outweigh them and the model does not read the question. A
+    normal HF checkpoint directory."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
-    from infra.tiny import char_tokenizer
-    tokenizer = char_tokenizer()
+    tokenizer = horizon_tokenizer()
     config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=512, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
                          tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=1)
@@ -138,8 +154,8 @@ def build_horizon_model(path, sft_steps=SFT_STEPS, seed=0, log_every=100, layers
                                       [tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
                                        for text in texts], tokenizer.pad_token_id)
         keys = torch.zeros_like(batch.response_mask)
-        for index, (row, text) in enumerate(zip(rows, texts)):
-            keys[index, key_positions(row, text)] = True
+        for index, (row, ids) in enumerate(zip(rows, batch.response_ids.tolist())):
+            keys[index, key_positions(tokenizer.convert_ids_to_tokens(ids), len(row["values"]))] = True
         logits = model(**batch.model_inputs(), logits_to_keep=batch.response_width + 1).logits[:, :-1]
         losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch.response_ids, reduction="none")
         loss = losses[batch.response_mask].mean() + losses[keys].mean()
@@ -149,7 +165,7 @@ def build_horizon_model(path, sft_steps=SFT_STEPS, seed=0, log_every=100, layers
         schedule.step()
         if log_every and (step % log_every == 0 or step == sft_steps - 1):
             print(f"step {step:5d} blocks {blocks:3d} rows {len(rows):3d} loss {loss.item():.4f} "
-                  f"(decisions, counters, ends {losses[keys].mean().item():.4f})", flush=True)
+                  f"(decisions, clocks, ends {losses[keys].mean().item():.4f})", flush=True)
     staging = path + f".tmp{os.getpid()}"
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
@@ -184,12 +200,12 @@ def preset(dataset, controlled):
     return values
 
 
-BLOCK = re.compile(r"(\d{3})([a-z]{4})")
+BLOCK = re.compile(r"<(\d+)>([a-z]{6})")
 
 
 def parse_response(text, row):
     """(decisions right: list of bools or None if there is no \\boxed{} of K digits, stretch well formed: the blocks
-    count down from n to 1 as the question asks, with 4 letters of STRETCH_LETTERS each)."""
+    count down from n to 1 as the question asks, with 6 letters of STRETCH_LETTERS each)."""
     k, blocks = len(row["values"]), row["blocks"]
     match = re.search(r"\\boxed\{(\d+)\}", text)
     digits = match[1] if match and len(match[1]) == k else None
@@ -197,13 +213,8 @@ def parse_response(text, row):
     rest = (text[:match.start()] + text[match.end():]).strip() if match else text.strip()
     found = [BLOCK.fullmatch(word) for word in rest.split()] if rest else []
     well_formed = len(found) == blocks and all(
-        f and f[1] == counter(blocks - i) and set(f[2]) <= set(STRETCH_LETTERS) for i, f in enumerate(found))
+        f and int(f[1]) == blocks - i and set(f[2]) <= set(STRETCH_LETTERS) for i, f in enumerate(found))
     return right, well_formed
-
-
-def stretch_positions(text):
-    """Character (= token) offsets of the stretch's random letters in a response."""
-    return [match.start(2) + i for match in BLOCK.finditer(text) for i in range(RANDOM_PER_BLOCK)]
 
 
 def report(path, settings, problems=64, samples=4, seed=0):
@@ -228,8 +239,8 @@ def report(path, settings, problems=64, samples=4, seed=0):
             right, well_formed = parse_response(completion.text, row)
             formed.append(stopped and well_formed)
             decisions.extend(right or [False] * k)
-            surprisal.extend(-completion.logprobs[i] for i in stretch_positions(completion.text)
-                             if i < len(completion.logprobs))
+            surprisal.extend(-completion.logprobs[i] for i in stretch_positions(
+                tokenizer.convert_ids_to_tokens(completion.token_ids)) if i < len(completion.logprobs))
         mean = lambda values: sum(values) / max(1, len(values))  # noqa: E731
         lines.append(dict(dataset=f"builtin:{spec}", accuracy=mean(rewards), well_formed=mean(formed),
                           decision_accuracy=mean(decisions), stretch_entropy=mean(surprisal),

@@ -36,7 +36,7 @@ def test_the_spec_names_its_knobs_and_refuses_bad_ones_in_one_line():
 def test_rows_show_the_knobs_and_hold_out_whole_letter_sets():
     rows = horizon.horizon_rows("train", 300, 0, "horizon-k2-h64-late")
     row = rows[0]
-    assert re.fullmatch(r"[A-I][J-R] last 008", row["question"]), row["question"]
+    assert re.fullmatch(r"[A-I][J-R] last <8>", row["question"]), row["question"]
     assert row["blocks"] == 8 and row["late"] and len(row["answer"]) == 2 and "0" not in row["answer"]
     first, second = row["values"]  # each letter's value is its place in its alphabet (A = 1, J = 1)
     assert row["question"][:2] == horizon.CLASSES[0][first - 1] + horizon.CLASSES[1][second - 1]
@@ -47,7 +47,7 @@ def test_rows_show_the_knobs_and_hold_out_whole_letter_sets():
     assert len(letters(horizon.horizon_rows("test", 300, 0, "horizon-k1-h0"))) == 9  # K = 1: no split, all 9
     assert horizon.horizon_rows("train", 5, 0, "horizon-k2-h64-late") == rows[:5]  # the same seed, the same rows
     loaded = infra.data.load_rows("builtin:horizon-k1-h0", "test", n_builtin=4)
-    assert loaded[0]["answer_format"] == "boxed" and loaded[0]["question"].endswith(" first 000")
+    assert loaded[0]["answer_format"] == "boxed" and loaded[0]["question"].endswith(" first <0>")
 
 
 @pytest.mark.parametrize("late", [False, True])
@@ -60,31 +60,36 @@ def test_a_response_scores_by_its_k_decisions_alone(late):
         right = [trial % 4 != i for i in range(3)]  # trials 0-2: decision i wrong; 3: all right
         text = horizon.solution(row, rng, right)
         assert common.score(text, row) == float(all(right)), text
-        broken = re.sub(r"\d{3}(?=[u-z])", "999", text)  # a counter gone wrong: the decisions still decide
+        broken = re.sub(r"<\d+>", "<99>", text)  # a clock gone wrong: the decisions still decide
         assert common.score(broken, row) == float(all(right))
         assert horizon.parse_response(text, row) == (right, True)
         assert horizon.parse_response(broken, row)[1] is False
-    assert text.startswith(" 800") == late and text.endswith("}") == late
-    tokens = infra.tiny.char_tokenizer()(text, add_special_tokens=False)["input_ids"]
+    assert text.startswith(" <8>") == late and text.endswith("}") == late
+    tokens = horizon.horizon_tokenizer()(text, add_special_tokens=False)["input_ids"]
     assert len(tokens) == 64 + 12  # H, then `\\boxed{ddd}` and its padding (first) or its spaces (last)
 
 
-def test_the_stretch_counts_down_units_first_and_its_random_letters_are_found():
+def test_the_stretch_counts_down_one_clock_token_a_block_and_its_random_letters_are_found():
     rng = random.Random(1)
+    tokenizer = horizon.horizon_tokenizer()
     row = horizon.horizon_rows("train", 12, 0, "horizon-k1-h96")[0]
     text = horizon.solution(row, rng, [True])
-    # 12 blocks: 012 written 210, then 110, 010 (a borrow shows as the 9 of 900), ..., 100; padded to K = 4's width
-    assert re.fullmatch(r"\\boxed\{\d\}    210[u-z]{4} 110[u-z]{4} 010[u-z]{4} 900[u-z]{4} 800[u-z]{4} 700[u-z]{4} "
-                        r"600[u-z]{4} 500[u-z]{4} 400[u-z]{4} 300[u-z]{4} 200[u-z]{4} 100[u-z]{4}", text), text
-    positions = horizon.stretch_positions(text)
-    assert len(positions) == 48 and all(text[i] in horizon.STRETCH_LETTERS for i in positions)
-    assert text[positions[0] - 3:positions[0]] == "210"
-    keys = horizon.key_positions(row, text)  # the build's weighted tokens: the decision, every counter digit, the end
-    assert "".join(text[i] for i in keys[:-1]) == text[7] + "".join(f"{c:03d}"[::-1] for c in range(12, 0, -1))
-    assert keys[-1] == len(text)
+    blocks = " ".join(f"<{n}>[u-z]{{6}}" for n in range(12, 0, -1))
+    assert re.fullmatch(r"\\boxed\{\d\}    " + blocks, text), text  # padded to K = 4's width
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    pieces = tokenizer.convert_ids_to_tokens(ids)
+    assert len(ids) == 96 + 12 + 1 and pieces[13] == "<12>" and pieces[-2] in horizon.STRETCH_LETTERS
+    positions = horizon.stretch_positions(pieces)
+    assert len(positions) == 72 and all(pieces[i] in horizon.STRETCH_LETTERS for i in positions)
+    keys = horizon.key_positions(pieces, 1)  # the build's weighted tokens: the decision, every clock, the end
+    assert [pieces[i] for i in keys] == [text[7], *(f"<{n}>" for n in range(12, 0, -1)), "<|endoftext|>"]
     for k in (1, 2, 4):  # the first block sits as far from the question at every K
         row = horizon.horizon_rows("train", 1, 0, f"horizon-k{k}-h16")[0]
-        assert horizon.solution(row, rng).index("200") == len("\\boxed{}") + horizon.MAX_DECISIONS + 1
+        assert horizon.solution(row, rng).index("<2>") == len("\\boxed{}") + horizon.MAX_DECISIONS + 1
+    late = horizon.horizon_rows("train", 1, 0, "horizon-k2-h16-late")[0]
+    ids = tokenizer(horizon.solution(late, rng), add_special_tokens=False)["input_ids"]
+    pieces = tokenizer.convert_ids_to_tokens(ids)
+    assert [pieces[i] for i in horizon.key_positions(pieces, 2)][-1:] == [" "]  # the space before \\boxed{}
 
 
 @pytest.mark.parametrize("k", [1, 3])
