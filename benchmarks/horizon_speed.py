@@ -33,7 +33,8 @@ def sample(generator, prompts, h, in_place):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description="\n\n".join(__doc__.split("\n\n")[:2]),  # what it does, how
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--h", nargs="+", type=int, default=[0, 64, 256, 1024])
     parser.add_argument("--model", default="horizon")
     parser.add_argument("--no-concatenating", action="store_true", help="skip the slow torch.cat cache")

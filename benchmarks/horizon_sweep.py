@@ -19,18 +19,21 @@ import concurrent.futures
 import json
 import math
 import os
+import shlex
 import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from benchmarks.demo_table import METHODS, interval, read_records, run, run_command, run_flags, welch  # noqa: E402
+from benchmarks.demo_table import (METHODS, VARIANTS, interval, read_records, run, run_command, run_flags,  # noqa: E402
+                                   welch)
 from infra.horizon import parse_spec  # noqa: E402
 
 # (the sweep's order: the extremes of H first, then the middle, then more decisions, then the decisions last)
 SETTINGS = ["k1-h0", "k1-h1024", "k1-h256", "k1-h64", "k3-h0", "k3-h1024", "k1-h1024-late"]
 RECORDS = "docs/horizon_runs"
 THRESHOLD = 0.5  # held-out accuracy that counts as learned (from about 0.2 at step 0)
+GSPO = "gspo=grpo --importance-level sequence --aggregation seq-mean"  # GSPO's sequence ratio and loss (testbed.md)
 
 
 def samples_to_threshold(result):
@@ -75,9 +78,10 @@ def figure(results, out):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
-    colors = dict(zip(METHODS, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 3))
+    methods = list(dict.fromkeys(m for m, *_ in results))
+    colors = dict(zip(methods, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 3))
     for axis, key, title in zip(axes, ("gain", "auc"), ("gain (points)", "area under the curve (points)")):
-        for method in METHODS:
+        for method in methods:
             for k, late, style in ((1, False, "-"), (3, False, "--"), (1, True, "x")):
                 points = sorted((h, [100 * r[key] for r in rows]) for (m, kk, h, ll), rows in results.items()
                                 if m == method and kk == k and ll == late and rows)
@@ -105,15 +109,21 @@ def figure(results, out):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description="\n\n".join(__doc__.split("\n\n")[:2]),  # what it does, how
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--settings", nargs="+", default=SETTINGS, help="k<K>-h<H>[-late] each")
-    parser.add_argument("--methods", nargs="+", default=METHODS)
+    parser.add_argument("--methods", nargs="+", default=[*METHODS, GSPO], help="trainer files, or NAME=FILE FLAGS "
+                        "(demo_table.py's): every trainer and GSPO by default")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--jobs", type=int, default=2, help="runs side by side (each with OMP_NUM_THREADS threads)")
     parser.add_argument("--records", default=RECORDS)
     parser.add_argument("--output-dir", default="runs/horizon")
     parser.add_argument("--from-results", action="store_true", help="no runs: the tables and figure from --records")
     args, extra = parser.parse_known_args()
+    for spec in [m for m in args.methods if "=" in m]:  # NAME=FILE FLAGS, as demo_table.py takes them
+        name, command = spec.split("=", 1)
+        VARIANTS[name.strip()] = (shlex.split(command)[0].removesuffix(".py"), shlex.split(command)[1:])
+    args.methods = [m.split("=", 1)[0].strip() for m in args.methods]
     for setting in args.settings:
         parse_spec(f"horizon-{setting}", "--settings")
     todo = []

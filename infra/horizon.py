@@ -62,8 +62,15 @@ def horizon_problem(rng, split, k, h, late):
         values = [rng.randint(1, 9) for _ in range(k)]
         letters = "".join(CLASSES[i][value - 1] for i, value in enumerate(values))
         if k == 1 or (zlib.crc32(letters.encode()) % 8 == 0) == (split == "test"):  # held out: 1 letter set in 8
-            return {"question": f"{letters} {'last' if late else 'first'} <{h // BLOCK_TOKENS}>",
+            return {"question": f"{letters} {'last' if late else 'first'} {clock_list(h // BLOCK_TOKENS)}",
                     "answer": "".join(map(str, values)), "values": values, "blocks": h // BLOCK_TOKENS, "late": late}
+
+
+INDUCTION = os.environ.get("HORIZON_INDUCTION") == "1"
+
+
+def clock_list(blocks):
+    return "".join(f"<{c}>" for c in range(blocks, -1, -1)) if INDUCTION else f"<{blocks}>"
 
 
 def horizon_rows(split, n, seed, spec):
@@ -106,10 +113,10 @@ def solution(row, rng, right=None):
     return f" {text} {answer}" if row["late"] else answer + " " * (MAX_DECISIONS + 1 - k) + text
 
 
-SFT_STEPS = 1500  # supervised steps of about SFT_TOKENS response tokens each
+SFT_STEPS = 3000  # supervised steps of about SFT_TOKENS response tokens each
 SFT_TOKENS = 8192
 SFT_MAX_BLOCKS = 136  # the build's stretches: 0 to 136 blocks (H up to 1,088), every K and both placements
-SFT_SHORT = 0.5  # share of steps with at most 8 blocks, where the decisions and the first counter are most tokens
+SFT_SHORT, SFT_ANY = 0.3, 0.3  # shares of steps of at most 8 blocks, of 0-136; the rest 96-136 (the rare clocks)
 
 
 def key_positions(pieces, decisions):
@@ -146,7 +153,9 @@ def build_horizon_model(path, sft_steps=SFT_STEPS, seed=0, log_every=100, layers
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=sft_steps, pct_start=0.1)
     for step in range(sft_steps):
-        blocks = rng.randint(0, 8) if rng.random() < SFT_SHORT else rng.randint(0, SFT_MAX_BLOCKS)
+        draw = rng.random()  # short (decisions most of the tokens), any length, long (every clock seen often)
+        blocks = rng.randint(0, 8) if draw < SFT_SHORT else rng.randint(0, SFT_MAX_BLOCKS) if draw < SFT_SHORT + \
+            SFT_ANY else rng.randint(SFT_MAX_BLOCKS - 40, SFT_MAX_BLOCKS)
         rows = [horizon_problem(rng, "train", rng.randint(1, MAX_DECISIONS), BLOCK_TOKENS * blocks, rng.random() < 0.5)
                 for _ in range(max(4, SFT_TOKENS // (BLOCK_TOKENS * blocks + 16)))]
         texts = [solution(row, rng) for row in rows]
@@ -181,7 +190,7 @@ def build_horizon_model(path, sft_steps=SFT_STEPS, seed=0, log_every=100, layers
 # until a decision's right digit overtakes its habit). SPO's cutpoint interval grows with H (see preset).
 RUN_PRESET = dict(model="horizon", dataset="builtin:horizon-k1-h256", answer_format="auto", steps=20,
                   micro_batch_size=16, micro_batch_tokens=0, gradient_checkpointing=False, eval_datasets=("builtin",),
-                  eval_every=5, eval_problems=256, eval_n=1, eval_temperature=1.0, eval_top_p=1.0, save_every=0)
+                  eval_every=5, eval_problems=128, eval_n=1, eval_temperature=1.0, eval_top_p=1.0, save_every=0)
 ROLLOUT_SHARE = 4  # rollouts a quarter of the tiny demo's 512 samples
 LENGTH_SLACK = 64  # response limit: H + this (K decisions and H tokens take H + 12, late H + K + 9)
 

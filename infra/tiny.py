@@ -18,7 +18,7 @@ from infra import UserError
 from infra.hub import CACHE_DIR, TINY_MODEL_VERSION, tiny_model_path  # noqa: F401 (tiny_model_path: where it was)
 from infra.hub import TINY_SHIPPED as SHIPPED
 
-BUILTIN_SHAPES = {(128, 2, 100, 512): "tiny", (128, 2, 100, 2048): "horizon"}  # hidden, layers, vocab, positions
+BUILTIN_SHAPES = {(128, 2, 100, 512): "tiny", (128, 2, 237, 2048): "horizon"}  # hidden, layers, vocab, positions
 
 
 def builtin_model(name):

@@ -194,7 +194,8 @@ def test_demo_table_commit_marks_code_changes_not_the_records_it_writes(tmp_path
 
 def test_help_says_what_the_script_does_in_whole_sentences():
     """Issue 60: `benchmarks/demo_table.py --help` stopped mid-sentence (`... draw the figure: on the tiny`)."""
-    for script in ("benchmarks/demo_table.py", "benchmarks/threads.py"):
+    for script in ("benchmarks/demo_table.py", "benchmarks/threads.py", "benchmarks/horizon_sweep.py",
+                   "benchmarks/horizon_speed.py"):
         printed = run_script(script, "--help")
         description = printed.split("\n\n")[1]  # after the usage lines
         assert description.endswith("."), (script, description)
@@ -218,3 +219,20 @@ def test_prime_credit_reads_carries_and_ranks_as_released():
     sums, outcomes = torch.tensor([3.0, 1.0, 2.0, 5.0, 0.0, 0.0]), torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])
     # group 1: (0 > 1) in order, (0 > 2) in order: 1.0; group 2: equal outcomes: 0.5
     assert prime_credit.rank_accuracy(sums, outcomes, 3) == 0.75
+
+
+def test_horizon_sweep_keeps_records_and_tabulates_them_with_the_figure(tmp_path):
+    """benchmarks/horizon_sweep.py: two methods (one a NAME=FILE FLAGS variant) at one setting, one step each; records
+    kept per setting, then --from-results prints the same table rows and draws the figure from them alone."""
+    tiny = ["--settings", "k1-h0", "--methods", "grpo", "gspo=grpo --importance-level sequence", "--seeds", "0",
+            "--jobs", "1", "--records", str(tmp_path / "records"), "--steps", "1", "--prompts-per-step", "2",
+            "--eval-problems", "4"]
+    ran = run_script("benchmarks/horizon_sweep.py", *tiny, "--output-dir", str(tmp_path / "runs"))
+    kept = tmp_path / "records" / "k1-h0"
+    assert sorted(os.listdir(kept)) == ["grpo_s0", "gspo_s0"]
+    assert "--preset horizon --dataset builtin:horizon-k1-h0" in (kept / "gspo_s0" / "command.txt").read_text()
+    assert "--importance-level sequence" in (kept / "gspo_s0" / "command.txt").read_text()
+    again = run_script("benchmarks/horizon_sweep.py", *tiny, "--from-results")
+    rows = lambda text: [line for line in text.splitlines() if line.startswith(("| grpo |", "| gspo |"))]  # noqa: E731
+    assert len(rows(ran)) == 2 and rows(ran) == rows(again) and "0 runs to go" in again
+    assert (tmp_path / "records" / "horizon.png").exists()

@@ -134,7 +134,9 @@ def test_run_eval_only_logs_and_prints(tokenizer, tmp_path, capsys):
     run.args, run.generator, run.tokenizer, run.eval_sets, run.start_step = EvalArgs(), generator, tokenizer, \
         {"tiny": rows}, 7
     run.logger, run.samples = infra.log.Logger(str(tmp_path), run.args), infra.samples.SampleLog(str(tmp_path))
+    run.evaluations = []
     metrics = run.evaluate_only()
+    assert run.evaluations == [(7, metrics)]  # the summary reports only evaluations that ran
     assert metrics["eval/tiny/avg@2"] == pytest.approx(0.5)
     record = json.loads(open(tmp_path / "metrics.jsonl").read().splitlines()[-1])
     assert record["step"] == 7 and record["eval/tiny/pass@2"] == pytest.approx(0.5)
