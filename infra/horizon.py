@@ -62,15 +62,8 @@ def horizon_problem(rng, split, k, h, late):
         values = [rng.randint(1, 9) for _ in range(k)]
         letters = "".join(CLASSES[i][value - 1] for i, value in enumerate(values))
         if k == 1 or (zlib.crc32(letters.encode()) % 8 == 0) == (split == "test"):  # held out: 1 letter set in 8
-            return {"question": f"{letters} {'last' if late else 'first'} {clock_list(h // BLOCK_TOKENS)}",
+            return {"question": f"{letters} {'last' if late else 'first'} <{h // BLOCK_TOKENS}>",
                     "answer": "".join(map(str, values)), "values": values, "blocks": h // BLOCK_TOKENS, "late": late}
-
-
-INDUCTION = os.environ.get("HORIZON_INDUCTION") == "1"
-
-
-def clock_list(blocks):
-    return "".join(f"<{c}>" for c in range(blocks, -1, -1)) if INDUCTION else f"<{blocks}>"
 
 
 def horizon_rows(split, n, seed, spec):
@@ -228,8 +221,8 @@ def parse_response(text, row):
 
 def report(path, settings, problems=64, samples=4, seed=0):
     """Step-0 numbers of the model at `path` on each (K, H, late) of `settings`: sampled accuracy (temperature 1,
-    `samples` per held-out problem), the share of responses that stop within the preset's limit with the stretch
-    well formed, each decision's accuracy, and the stretch's per-token entropy (the mean of -log p over its sampled
+    `samples` per held-out problem), the share of responses that stop within the preset's limit (the others score
+    0), of those that stop with the stretch well formed, each decision's accuracy, and the stretch's per-token entropy (the mean of -log p over its sampled
     random letters: an unbiased estimate at temperature 1; ln 6 = 1.79 nats for uniform letters)."""
     from infra.engine import HFGenerator
     model, tokenizer = common.load_model(path, "float32", "cpu")
@@ -240,10 +233,11 @@ def report(path, settings, problems=64, samples=4, seed=0):
         torch.manual_seed(seed)
         completions = generator.generate([common.prompt_ids(tokenizer, row["question"]) for row in rows], samples,
                                          h + LENGTH_SLACK, 1.0, 1.0)
-        rewards, formed, decisions, surprisal = [], [], [], []
+        rewards, stopped_share, formed, decisions, surprisal = [], [], [], [], []
         for completion in completions:
             row = rows[completion.prompt_index]
             stopped = completion.finish_reason == "stop"
+            stopped_share.append(stopped)
             rewards.append(common.score(completion.text, row) if stopped else 0.0)
             right, well_formed = parse_response(completion.text, row)
             formed.append(stopped and well_formed)
@@ -251,7 +245,8 @@ def report(path, settings, problems=64, samples=4, seed=0):
             surprisal.extend(-completion.logprobs[i] for i in stretch_positions(
                 tokenizer.convert_ids_to_tokens(completion.token_ids)) if i < len(completion.logprobs))
         mean = lambda values: sum(values) / max(1, len(values))  # noqa: E731
-        lines.append(dict(dataset=f"builtin:{spec}", accuracy=mean(rewards), well_formed=mean(formed),
+        lines.append(dict(dataset=f"builtin:{spec}", accuracy=mean(rewards), stopped=mean(stopped_share),
+                          well_formed=mean(formed),
                           decision_accuracy=mean(decisions), stretch_entropy=mean(surprisal),
                           response_tokens=mean([len(c.token_ids) for c in completions])))
     return lines
@@ -263,9 +258,9 @@ SWEEP_SETTINGS = [(1, 0, False), (1, 64, False), (1, 256, False), (1, 1024, Fals
 
 def print_report(path, settings=SWEEP_SETTINGS, problems=64, samples=4):
     print(f"{path}: {problems} held-out problems x {samples} samples at temperature 1")
-    print(f"{'dataset':32} {'accuracy':>8} {'decision':>8} {'formed':>7} {'entropy':>7} {'tokens':>7}")
+    print(f"{'dataset':32} {'accuracy':>8} {'decision':>8} {'stopped':>7} {'formed':>7} {'entropy':>7} {'tokens':>7}")
     for line in report(path, settings, problems, samples):
-        print(f"{line['dataset']:32} {line['accuracy']:8.3f} {line['decision_accuracy']:8.3f} "
+        print(f"{line['dataset']:32} {line['accuracy']:8.3f} {line['decision_accuracy']:8.3f} {line['stopped']:7.3f} "
               f"{line['well_formed']:7.3f} {line['stretch_entropy']:7.3f} {line['response_tokens']:7.1f}", flush=True)
 
 
