@@ -25,8 +25,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from benchmarks.demo_table import (METHODS, VARIANTS, interval, read_records, run, run_command, run_flags,  # noqa: E402
-                                   welch)
+from benchmarks.demo_table import (METHODS, T95, VARIANTS, interval, read_records, run, run_command,  # noqa: E402
+                                   run_flags, welch)
 from infra.horizon import parse_spec  # noqa: E402
 
 # (the sweep's order: the extremes of H first, then the middle, then more decisions, then the decisions last)
@@ -88,7 +88,8 @@ def figure(results, out):
                 if not points:
                     continue
                 hs, means = [h for h, _ in points], [statistics.mean(v) for _, v in points]
-                half = [1.96 * statistics.stdev(v) / math.sqrt(len(v)) if len(v) > 1 else 0 for _, v in points]
+                half = [T95.get(len(v) - 1, 1.96) * statistics.stdev(v) / math.sqrt(len(v)) if len(v) > 1 else 0
+                        for _, v in points]  # Student t, as the tables
                 label = method if (k, late) == (1, False) else None
                 if style == "x":
                     axis.errorbar(hs, means, half, fmt="x", color=colors[method], capsize=3)
@@ -98,6 +99,8 @@ def figure(results, out):
                     axis.fill_between(hs, [m - h for m, h in zip(means, half)], [m + h for m, h in zip(means, half)],
                                       color=colors[method], alpha=0.12)
         axis.set_xscale("symlog", linthresh=64)
+        ticks = sorted({h for _, _, h, _ in results})
+        axis.set_xticks(ticks, [str(h) for h in ticks])
         axis.set_xlabel("H, irrelevant tokens per response")
         axis.set_title(title)
         axis.grid(alpha=0.3)

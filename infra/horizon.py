@@ -222,8 +222,9 @@ def parse_response(text, row):
 def report(path, settings, problems=64, samples=4, seed=0):
     """Step-0 numbers of the model at `path` on each (K, H, late) of `settings`: sampled accuracy (temperature 1,
     `samples` per held-out problem), the share of responses that stop within the preset's limit (the others score
-    0), of those that stop with the stretch well formed, each decision's accuracy, and the stretch's per-token entropy (the mean of -log p over its sampled
-    random letters: an unbiased estimate at temperature 1; ln 6 = 1.79 nats for uniform letters)."""
+    0), of all the share that stop with the stretch well formed, each decision's accuracy, and the stretch's
+    per-token entropy (the mean of -log p over its sampled random letters: an unbiased estimate at temperature 1;
+    ln 6 = 1.79 nats for uniform letters)."""
     from infra.engine import HFGenerator
     model, tokenizer = common.load_model(path, "float32", "cpu")
     generator, lines = HFGenerator(model, tokenizer), []
