@@ -192,11 +192,11 @@ def own_settings(method, preset="TINY_PRESET"):
 
 
 def interval(values, scale=1.0, digits=1):
-    """`mean ± half-width of the 95% interval` over seeds; `-` when no run has the value."""
+    """`mean ± half-width of the 95% interval` over seeds; the value alone for one seed; `-` when no run has it."""
     values = [v * scale for v in values if v is not None]
-    if not values:
-        return "-"
-    half = T95.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0
+    if len(values) < 2:
+        return f"{values[0]:.{digits}f}" if values else "-"
+    half = T95.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
     return f"{statistics.mean(values):.{digits}f} ± {half:.{digits}f}"
 
 

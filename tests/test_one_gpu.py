@@ -184,10 +184,10 @@ def test_the_hf_batch_flag_reaches_the_engine(tmp_path, tiny_path):
 
 
 def readme_smollm2_command():
-    """The README's SmolLM2-135M-Instruct command, as argv after `python`."""
+    """The README's SmolLM2-135M-Instruct command, as argv after `python` (in a code block, or inline in backticks)."""
     text = open(os.path.join(REPO, "README.md")).read().replace("\\\n", "")
     line = next(line for line in text.splitlines() if "python grpo.py --model smollm2-135m-instruct" in line)
-    return shlex.split(line.split("python ", 1)[1])
+    return shlex.split(line.split("python ", 1)[1].split("`")[0].split("#")[0])
 
 
 def test_the_readme_smollm2_command_plans_its_own_prompts_within_8_gib(monkeypatch):
