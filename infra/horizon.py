@@ -75,7 +75,8 @@ def horizon_rows(split, n, seed, spec):
 def stretch(rng, blocks):
     """The irrelevant stretch: blocks counting down from `blocks` to 1, each a clock token and 6 random letters,
     space-joined. (Counters written in digits, 3 tokens a block, were not kept by a 2- or 3-layer model over a
-    hundred blocks: it skipped or repeated counts; one token a count it keeps better, not perfectly: docs/horizon.md.)"""
+    hundred blocks: it skipped or repeated counts; one token a count it keeps better, not perfectly: see
+    docs/horizon.md.)"""
     return " ".join(f"<{c}>" + "".join(rng.choice(STRETCH_LETTERS) for _ in range(RANDOM_PER_BLOCK))
                     for c in range(blocks, 0, -1))
 
