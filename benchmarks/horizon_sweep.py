@@ -12,7 +12,8 @@ is not kept yet, settings in the order given (the default puts the extremes of H
 and 95% interval over seeds of the held-out accuracy at the start and end, the gain, the area under the curve (mean
 over the evaluations), the training samples until held-out accuracy first reaches THRESHOLD (with how many seeds
 reached it), the critic's explained variance over the middle third, the CPU time of a run and, for SPO, its Monte
-Carlo continuation tokens; each method against GRPO by Welch's t on the gain and the area.
+Carlo continuation tokens; each method against GRPO by Welch's t on the gain and the area. Before the tables, a
+summary: each method's area minus GRPO's at every setting, with Welch's p.
 """
 import argparse
 import concurrent.futures
@@ -68,6 +69,31 @@ def table(setting, by_method):
             cells.append("-" if difference is None else f"{difference:+.1f}" + (
                 "" if tested is None else f" ({tested[2]:.2f})"))
         lines.append(f"| {method} | {len(rows)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def summary(by_setting):
+    """Markdown: each method's area under the curve minus GRPO's per setting, in points, with Welch's p (bold below
+    0.05) and, under 3 seeds, the seeds run; GRPO's own area on the first row."""
+    settings = list(by_setting)
+    lines = ["Area under the curve against GRPO's, points (Welch p; bold: p < 0.05)", "",
+             "| method | " + " | ".join(f"`{s}`" for s in settings) + " |", "|---" * (len(settings) + 1) + "|"]
+    methods = list(dict.fromkeys(m for rows in by_setting.values() for m in rows))
+    for method in ["grpo", *(m for m in methods if m != "grpo")]:
+        cells = []
+        for setting in settings:
+            rows, base = by_setting[setting].get(method, []), by_setting[setting].get("grpo", [])
+            if not rows or not base:
+                cells.append("-")
+                continue
+            area, base_area = (100 * statistics.mean(r["auc"] for r in runs) for runs in (rows, base))
+            tested = welch([r["auc"] for r in rows], [r["auc"] for r in base]) if method != "grpo" else None
+            notes = [f"{tested[2]:.2f}"] if tested else []
+            notes += [f"{len(rows)} seed{'s' * (len(rows) > 1)}"] if len(rows) < 3 else []
+            cell = (f"{area:.1f}" if method == "grpo" else f"{area - base_area:+.1f}") + (
+                f" ({', '.join(notes)})" if notes else "")
+            cells.append(f"**{cell}**" if tested and tested[2] < 0.05 else cell)
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -156,8 +182,9 @@ def main():
                 continue
             print(f"{records}/{method}_s{seed}: {100 * result['first']:.1f}% -> {100 * result['last']:.1f}%, "
                   f"{result['cpu_s'] / 60:.1f} CPU min", flush=True)
-    results = {}
-    for setting in args.settings:
+    results, by_setting, tables = {}, {}, []
+    shown = {s: parse_spec(f"horizon-{s}") for s in args.settings}  # (K, H, late): shown by late, K, H
+    for setting in sorted(args.settings, key=lambda s: (shown[s][2], *shown[s][:2])):
         folder = os.path.join(ROOT, args.records, setting)
         if not os.path.isdir(folder):
             continue
@@ -168,7 +195,10 @@ def main():
         for method, rows in by_method.items():
             results[method, k, h, late] = rows
         if by_method:
-            print("\n" + table(setting, by_method))
+            by_setting[setting] = by_method
+            tables.append(table(setting, by_method))
+    if by_setting:
+        print("\n" + "\n\n".join([summary(by_setting), *tables]))
     if results:
         print("\nfigure:", figure(results, os.path.join(ROOT, args.records, "horizon.png")))
 

@@ -234,5 +234,19 @@ def test_horizon_sweep_keeps_records_and_tabulates_them_with_the_figure(tmp_path
     assert "--importance-level sequence" in (kept / "gspo_s0" / "command.txt").read_text()
     again = run_script("benchmarks/horizon_sweep.py", *tiny, "--from-results")
     rows = lambda text: [line for line in text.splitlines() if line.startswith(("| grpo |", "| gspo |"))]  # noqa: E731
-    assert len(rows(ran)) == 2 and rows(ran) == rows(again) and "0 runs to go" in again
+    assert len(rows(ran)) == 4 and rows(ran) == rows(again) and "0 runs to go" in again  # the summary's and table's
     assert (tmp_path / "records" / "horizon.png").exists()
+
+
+def test_horizon_summary_gives_each_method_its_area_minus_grpos_with_welchs_p():
+    """The summary's cells by hand: GRPO's own area, a difference with Welch's p (bold below 0.05), the seeds under 3,
+    '-' where a method has no run; a flipped difference or GRPO's row compared with itself would fail."""
+    from benchmarks.horizon_sweep import summary
+    runs = lambda *areas: [{"auc": a} for a in areas]  # noqa: E731
+    by_setting = {"k1-h0": {"grpo": runs(0.50, 0.52, 0.48), "ppo": runs(0.40, 0.41, 0.39), "spo": runs(0.51, 0.49)},
+                  "k1-h1024": {"grpo": runs(0.30), "spo": runs(0.35)}}
+    lines = summary(by_setting).splitlines()
+    assert lines[2] == "| method | `k1-h0` | `k1-h1024` |"
+    # ppo: 40 - 50 = -10 points; Welch t = -10 / sqrt(4/3 + 1/3) = -7.75, df 2.94: p = 0.005
+    assert lines[4:] == ["| grpo | 50.0 | 30.0 (1 seed) |", "| ppo | **-10.0 (0.00)** | - |",
+                         "| spo | +0.0 (1.00, 2 seeds) | +5.0 (1 seed) |"]
