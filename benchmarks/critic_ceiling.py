@@ -4,10 +4,13 @@ construction learns offline (issue 17: PPO's logged explained_variance stays nea
     OMP_NUM_THREADS=1 python benchmarks/critic_ceiling.py                      # the shipped tiny model
     OMP_NUM_THREADS=1 python benchmarks/critic_ceiling.py --policy runs/<run>/checkpoints/step_000060/policy \
         --critic runs/<run>/checkpoints/step_000060/critic                    # a trained policy and its critic
-    OMP_NUM_THREADS=1 python benchmarks/critic_ceiling.py --digits 3-7        # problems of 3 to 7 digits, mixed
+    OMP_NUM_THREADS=1 python benchmarks/critic_ceiling.py --dataset builtin:3-7   # problems of 3 to 7 digits, mixed
+    OMP_NUM_THREADS=1 python benchmarks/critic_ceiling.py --dataset builtin:horizon-k1-h256 --mc-responses 0
+                                                                   # the horizon task (docs/horizon.md), its model
 
 Samples --train + --test responses of the policy at temperature 1 to distinct training problems of the task
-(rollouts' settings: 96 tokens, reward R = common.score at the last token), then reports explained variance
+(rollouts' settings: 96 tokens, H + 64 on the horizon task; reward R = common.score at the last token), then reports
+explained variance
 (infra.probes.explained_variance over all response tokens, as ppo.py logs it; returns = R since gamma = lam = 1),
 pooled and by token position, of:
   perfect: Monte Carlo values V(s_t) = mean reward of --continuations completions of every 2nd state of
@@ -29,12 +32,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 import infra.data  # noqa: E402
+import infra.horizon  # noqa: E402
 import infra.probes  # noqa: E402
-import infra.tiny  # noqa: E402
 from infra.engine import HFGenerator  # noqa: E402
 
-BUCKETS = ((0, 1), (1, 10), (10, 30), (30, 50), (50, 60), (60, 1000))
-MAX_TOKENS = 96  # the tiny preset's max_response_tokens
+BUCKETS = ((0, 1), (1, 10), (10, 30), (30, 50), (50, 60), (60, 10 ** 6))
+MAX_TOKENS = 96  # the tiny preset's max_response_tokens (the horizon preset's: H + LENGTH_SLACK)
 
 
 def by_position(values, returns, mask):
@@ -73,10 +76,10 @@ def fit_critic(args, lr, batch, rewards, train, test):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--policy", default="tiny")
+    parser.add_argument("--policy", default="", help="default: tiny, or horizon on the horizon task")
     parser.add_argument("--critic", default="", help="a critic checkpoint to evaluate on the test responses")
-    parser.add_argument("--critic-base", default="tiny", help="the backbone of the fitted critics")
-    parser.add_argument("--digits", default=str(infra.tiny.DIGITS), help="N, or A-B: each problem's digits from A to B")
+    parser.add_argument("--critic-base", default="", help="the backbone of the fitted critics (default: --policy's)")
+    parser.add_argument("--dataset", default="builtin", help="builtin[:N | :A-B | :horizon-k<K>-h<H>[-late]]")
     parser.add_argument("--train", type=int, default=1024)
     parser.add_argument("--test", type=int, default=1024)
     parser.add_argument("--mc-responses", type=int, default=64, help="0: skip the Monte Carlo values")
@@ -88,15 +91,19 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
-    policy, tokenizer = common.load_model(args.policy, "auto", "cpu")
-    generator = HFGenerator(policy, tokenizer, batch_size=512)
     try:
-        digits = infra.data.builtin_digits(f"builtin:{args.digits}", "--digits")
+        digits = infra.data.builtin_digits(args.dataset)
+        rows = infra.data.load_rows(args.dataset, "train", args.train + args.test, 1000 + args.seed)
     except infra.UserError as error:
         parser.error(str(error))
-    rows = infra.tiny.builtin_rows("train", args.train + args.test, 1000 + args.seed, digits)
+    horizon = str(digits).startswith("horizon")
+    max_tokens = infra.horizon.parse_spec(digits)[1] + infra.horizon.LENGTH_SLACK if horizon else MAX_TOKENS
+    args.policy = args.policy or ("horizon" if horizon else "tiny")
+    args.critic_base = args.critic_base or args.policy
+    policy, tokenizer = common.load_model(args.policy, "auto", "cpu")
+    generator = HFGenerator(policy, tokenizer, batch_size=512)
     prompts = [common.prompt_ids(tokenizer, row["question"]) for row in rows]
-    completions = generator.generate(prompts, 1, MAX_TOKENS, 1.0, 1.0)
+    completions = generator.generate(prompts, 1, max_tokens, 1.0, 1.0)
     rewards = torch.tensor([common.score(c.text, rows[c.prompt_index]) if c.finish_reason == "stop" else 0.0
                             for c in completions])
     batch = common.sequence_batch(prompts, [c.token_ids for c in completions], tokenizer.pad_token_id)
@@ -109,7 +116,7 @@ def main():
                   for t in range(0, len(completions[i].token_ids), 2)]
         state_rows = [rows[i] for i in chosen for _ in range(0, len(completions[i].token_ids), 2)]
         mc_values, _ = common.monte_carlo_values(generator, tokenizer, states, state_rows, args.continuations,
-                                                 MAX_TOKENS)
+                                                 max_tokens)
         mc_batch = batch.select(chosen)
         values, k = torch.zeros(mc_batch.response_ids.shape), 0
         mask = torch.zeros(mc_batch.response_ids.shape, dtype=torch.bool)

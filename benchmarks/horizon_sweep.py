@@ -11,9 +11,10 @@ records kept in docs/horizon_runs/<setting>/<method>_s<seed>/ as it finishes; th
 is not kept yet, settings in the order given (the default puts the extremes of H first). Per setting and method: mean
 and 95% interval over seeds of the held-out accuracy at the start and end, the gain, the area under the curve (mean
 over the evaluations), the training samples until held-out accuracy first reaches THRESHOLD (with how many seeds
-reached it), the critic's explained variance over the middle third, the CPU time of a run and, for SPO, its Monte
-Carlo continuation tokens; each method against GRPO by Welch's t on the gain and the area. Before the tables, a
-summary: each method's area minus GRPO's at every setting, with Welch's p.
+reached it), the critic's explained variance over the middle third and at the last step, the first step at which it
+reaches EV_TARGET (per seed), the CPU time of a run and, for SPO, its Monte Carlo continuation tokens; each method
+against GRPO by Welch's t on the gain and the area. Before the tables, a summary: each method's area minus GRPO's at
+every setting, with Welch's p.
 """
 import argparse
 import concurrent.futures
@@ -26,8 +27,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from benchmarks.demo_table import (METHODS, T95, VARIANTS, interval, read_records, run, run_command,  # noqa: E402
-                                   run_flags, welch)
+from benchmarks.demo_table import (EV_TARGET, METHODS, T95, VARIANTS, interval, read_records, run,  # noqa: E402
+                                   run_command, run_flags, welch)
 from infra.horizon import parse_spec  # noqa: E402
 
 # (the sweep's order: the extremes of H first, then the middle, then more decisions, then the decisions last)
@@ -49,16 +50,18 @@ def samples_to_threshold(result):
 def table(setting, by_method):
     """Markdown: one row per method for one setting, with Welch's t against GRPO."""
     lines = [f"`builtin:horizon-{setting}`", "",
-             "| method | seeds | first | last | gain | area | samples to {:.0%} (reached) | EV (middle) | CPU min | "
-             "MC tokens | gain vs GRPO (p) | area vs GRPO (p) |".format(THRESHOLD),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| method | seeds | first | last | gain | area | samples to {:.0%} (reached) | EV (middle) | EV (last) | "
+             "EV >= {} from step | CPU min | MC tokens | gain vs GRPO (p) | area vs GRPO (p) |".format(
+                 THRESHOLD, EV_TARGET), "|---" * 14 + "|"]
     base = by_method.get("grpo", [])
     for method, rows in by_method.items():
         samples = [samples_to_threshold(r) for r in rows]
         cells = [interval([r[key] for r in rows], 100) for key in ("first", "last", "gain", "auc")]
         reached = [s for s in samples if s is not None]
         cells.append(f"{interval(reached, 1, 0)} ({len(reached)}/{len(rows)})")
-        cells.append(interval([r["ev_middle"] for r in rows], 1, 2))
+        cells += [interval([r["ev_middle"] for r in rows], 1, 2), interval([r["ev_last"] for r in rows], 1, 2)]
+        cells.append(", ".join("-" if r["ev_reaches"] is None else str(r["ev_reaches"]) for r in rows)
+                     if rows[0]["ev_middle"] is not None else "-")  # per seed; -: never
         cells.append(interval([r["cpu_s"] for r in rows], 1 / 60))
         tokens = [r["mc_tokens"] for r in rows]
         cells.append(f"{statistics.mean(tokens):,.0f}" if any(tokens) else "-")

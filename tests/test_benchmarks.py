@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUMBER = r"(-?\d+\.\d+)"
 
@@ -44,12 +46,14 @@ def test_trl_compare_divides_each_pair_by_its_own_project_run():
     assert pair_ratios(trl[:1], project, "seconds") == [66.0 / 42.0]  # a side that ran fewer times: its pairs only
 
 
-def test_critic_ceiling_reports_the_monte_carlo_and_fitted_critics():
+@pytest.mark.parametrize("dataset, policy", [("builtin:3", "tiny"), ("builtin:horizon-k1-h64", "horizon")])
+def test_critic_ceiling_reports_the_monte_carlo_and_fitted_critics(dataset, policy):
     """Shrunk by its size flags: success at temperature 1 over train and test together, then the Monte Carlo values' and
-    the fitted critic's explained variance, pooled and by position, each at most 1."""
-    printed = run_script("benchmarks/critic_ceiling.py", "--digits", "3", "--train", "16", "--test", "16",
+    the fitted critic's explained variance, pooled and by position, each at most 1; the horizon task with its model."""
+    printed = run_script("benchmarks/critic_ceiling.py", "--dataset", dataset, "--train", "16", "--test", "16",
                          "--mc-responses", "2", "--continuations", "2", "--epochs", "2", "--batch", "8",
                          "--lrs", "1e-3")
+    assert f"policy {policy}: success" in printed
     success, train, test = map(float, re.search(
         rf"success at temperature 1 {NUMBER} \(train {NUMBER}, test {NUMBER}\)", printed).groups())
     assert abs(success - (train + test) / 2) < 2e-3  # equal halves, each printed to 3 decimals
