@@ -144,14 +144,19 @@ def main():
     parser = argparse.ArgumentParser(description="\n\n".join(__doc__.split("\n\n")[:2]),  # what it does, how
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--settings", nargs="+", default=SETTINGS, help="k<K>-h<H>[-late] each")
-    parser.add_argument("--methods", nargs="+", default=[*METHODS, GSPO], help="trainer files, or NAME=FILE FLAGS "
+    parser.add_argument("--methods", nargs="+", default=None, help="trainer files, or NAME=FILE FLAGS "
                         "(demo_table.py's): every trainer and GSPO by default")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--jobs", type=int, default=2, help="runs side by side (each with OMP_NUM_THREADS threads)")
     parser.add_argument("--records", default=RECORDS)
     parser.add_argument("--output-dir", default="runs/horizon")
     parser.add_argument("--from-results", action="store_true", help="no runs: the tables and figure from --records")
+    parser.add_argument("--figure", default=None, help="where to draw the figure (default: <records>/horizon.png for "
+                        "every method, none when --methods picks some, so a subset does not replace it)")
     args, extra = parser.parse_known_args()
+    if args.figure is None:  # the full figure, or none for a subset of the methods
+        args.figure = os.path.join(ROOT, args.records, "horizon.png") if args.methods is None else ""
+    args.methods = args.methods or [*METHODS, GSPO]
     for spec in [m for m in args.methods if "=" in m]:  # NAME=FILE FLAGS, as demo_table.py takes them
         name, command = spec.split("=", 1)
         VARIANTS[name.strip()] = (shlex.split(command)[0].removesuffix(".py"), shlex.split(command)[1:])
@@ -202,8 +207,8 @@ def main():
             tables.append(table(setting, by_method))
     if by_setting:
         print("\n" + "\n\n".join([summary(by_setting), *tables]))
-    if results:
-        print("\nfigure:", figure(results, os.path.join(ROOT, args.records, "horizon.png")))
+    if results and args.figure:
+        print("\nfigure:", figure(results, args.figure))
 
 
 if __name__ == "__main__":

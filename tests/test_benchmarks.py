@@ -230,7 +230,7 @@ def test_horizon_sweep_keeps_records_and_tabulates_them_with_the_figure(tmp_path
     kept per setting, then --from-results prints the same table rows and draws the figure from them alone."""
     tiny = ["--settings", "k1-h0", "--methods", "grpo", "gspo=grpo --importance-level sequence", "--seeds", "0",
             "--jobs", "1", "--records", str(tmp_path / "records"), "--steps", "1", "--prompts-per-step", "2",
-            "--eval-problems", "4"]
+            "--eval-problems", "4", "--figure", str(tmp_path / "records" / "horizon.png")]
     ran = run_script("benchmarks/horizon_sweep.py", *tiny, "--output-dir", str(tmp_path / "runs"))
     kept = tmp_path / "records" / "k1-h0"
     assert sorted(os.listdir(kept)) == ["grpo_s0", "gspo_s0"]
