@@ -10,9 +10,8 @@ construction learns offline (issue 17: PPO's logged explained_variance stays nea
 
 Samples --train + --test responses of the policy at temperature 1 to distinct training problems of the task
 (rollouts' settings: 96 tokens, H + 64 on the horizon task; reward R = common.score at the last token), then reports
-explained variance
-(infra.probes.explained_variance over all response tokens, as ppo.py logs it; returns = R since gamma = lam = 1),
-pooled and by token position, of:
+explained variance (infra.probes.explained_variance over all response tokens, as ppo.py logs it; returns = R since
+gamma = lam = 1), pooled and by token position, of:
   perfect: Monte Carlo values V(s_t) = mean reward of --continuations completions of every 2nd state of
            --mc-responses test responses (the noise p(1-p)/K lowers it slightly: an estimate of what a perfect
            critic attains);
