@@ -254,8 +254,8 @@ def report(path, settings, problems=64, samples=4, seed=0):
     return lines
 
 
-SWEEP_SETTINGS = [(1, 0, False), (1, 64, False), (1, 256, False), (1, 1024, False), (3, 0, False), (3, 1024, False),
-                  (1, 1024, True)]  # (K, H, late) of the sweep (docs/horizon.md)
+SWEEP_SETTINGS = [(1, 0, False), (1, 64, False), (1, 256, False), (1, 1024, False), (3, 0, False), (3, 256, False),
+                  (1, 256, True)]  # (K, H, late) of the sweep (docs/horizon.md)
 
 
 def print_report(path, settings=SWEEP_SETTINGS, problems=64, samples=4):
