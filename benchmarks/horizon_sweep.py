@@ -29,10 +29,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks.demo_table import (EV_TARGET, METHODS, T95, VARIANTS, interval, read_records, run,  # noqa: E402
                                    run_command, run_flags, welch)
-from infra.horizon import parse_spec  # noqa: E402
+from infra.horizon import SWEEP_SETTINGS, parse_spec  # noqa: E402
 
-# (the sweep's order: the extremes of H first, then the middle, then more decisions, then the decisions last)
-SETTINGS = ["k1-h0", "k1-h1024", "k1-h256", "k1-h64", "k3-h0", "k3-h256", "k1-h256-late"]
+SETTINGS = [f"k{k}-h{h}" + "-late" * late for k, h, late in SWEEP_SETTINGS]
 RECORDS = "docs/horizon_runs"
 THRESHOLD = 0.5  # held-out accuracy that counts as learned (from about 0.2 at step 0)
 GSPO = "gspo=grpo --importance-level sequence --aggregation seq-mean"  # GSPO's sequence ratio and loss (testbed.md)

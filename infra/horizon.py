@@ -254,8 +254,10 @@ def report(path, settings, problems=64, samples=4, seed=0):
     return lines
 
 
-SWEEP_SETTINGS = [(1, 0, False), (1, 64, False), (1, 256, False), (1, 1024, False), (3, 0, False), (3, 256, False),
-                  (1, 256, True)]  # (K, H, late) of the sweep (docs/horizon.md)
+# (K, H, late) of the sweep (docs/horizon.md), in its order: the extremes of H first, then the middle, then more
+# decisions, then the decisions last
+SWEEP_SETTINGS = [(1, 0, False), (1, 1024, False), (1, 256, False), (1, 64, False), (3, 0, False), (3, 256, False),
+                  (1, 256, True)]
 
 
 def print_report(path, settings=SWEEP_SETTINGS, problems=64, samples=4):
