@@ -64,6 +64,10 @@ def run(method, seed, output_dir, extra, probe_every=0, records_dir="", keep_che
     records_dir, its records are kept there (keep_records) as soon as it finishes, and its checkpoints removed unless
     keep_checkpoints (SmolLM2's last checkpoint, kept for --resume, is 2.2 GB for GRPO, 4.2 GB with a critic)."""
     name, command = f"demo_{method}_s{seed}", run_command(method, seed, output_dir, extra, probe_every)
+    run_dir = os.path.join(ROOT, output_dir, name)
+    if os.path.isdir(run_dir):  # a run stopped midway, or --rerun: started over, so its CPU time is a whole run's
+        print(f"{name}: {run_dir} holds an earlier run; starting it over", flush=True)
+        shutil.rmtree(run_dir)
     os.makedirs(os.path.join(ROOT, output_dir), exist_ok=True)
     log_path, start, load = os.path.join(ROOT, output_dir, f"{name}.log"), time.time(), os.getloadavg()[0]
     code = commit()  # at the start: the code the run imports
@@ -78,7 +82,6 @@ def run(method, seed, output_dir, extra, probe_every=0, records_dir="", keep_che
             raise RuntimeError(f"{' '.join(command[1:])} failed (exit {child.returncode}):\n{log.read()[-3000:]}")
     resources = dict(wall_s=time.time() - start, cpu_s=usage.ru_utime + usage.ru_stime, max_rss_mib=usage.ru_maxrss /
                      1024, load_start=load, load_end=os.getloadavg()[0], omp_num_threads=threads, commit=code)
-    run_dir = os.path.join(ROOT, output_dir, name)
     if records_dir:
         shown = ["OMP_NUM_THREADS=" + threads, "python", *command[1:]]
         keep_records(run_dir, os.path.join(ROOT, records_dir, f"{method}_s{seed}"), shlex.join(shown), resources)

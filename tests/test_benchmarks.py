@@ -148,11 +148,15 @@ def test_demo_table_welch_test_against_the_t_table(monkeypatch):
 
 
 def test_demo_table_keeps_each_runs_records_and_tabulates_from_them_alone(tmp_path):
-    """A run's records (metrics, config, the command, its CPU time) are kept as it finishes, and --from-results
-    prints the same table from them after the run folders are gone."""
+    """A run's records (metrics, config, the command, its CPU time) are kept as it finishes, a run stopped midway is
+    started over, and --from-results prints the same table from them after the run folders are gone."""
     tiny = ["--methods", "grpo", "--seeds", "0", "--steps", "1", "--prompts-per-step", "4", "--samples-per-prompt", "2",
             "--eval-problems", "4", "--dataset", "builtin:3", "--records", str(tmp_path / "records")]
+    stopped = tmp_path / "runs" / "demo_grpo_s0"  # a run stopped midway (preempted): the trainer would refuse it
+    os.makedirs(stopped / "checkpoints" / "step_000001")
+    stopped.joinpath("metrics.jsonl").write_text('{"step": 1}\n')
     ran = run_script("benchmarks/demo_table.py", *tiny, "--output-dir", str(tmp_path / "runs"))
+    assert "holds an earlier run; starting it over" in ran
     kept = tmp_path / "records" / "grpo_s0"
     assert sorted(os.listdir(kept)) == ["command.txt", "config.json", "metrics.jsonl", "resources.json"]
     assert kept.joinpath("command.txt").read_text().startswith("OMP_NUM_THREADS=1 python grpo.py --seed 0 ")
