@@ -8,13 +8,13 @@ line per method, 95% intervals as bands).
 
 Each run is demo_table.py's (`python <method>.py --seed S --preset horizon --dataset builtin:horizon-<setting>`), its
 records kept in docs/horizon_runs/<setting>/<method>_s<seed>/ as it finishes; the same command again runs only what
-is not kept yet, settings in the order given (the default puts the extremes of H first). Per setting and method: mean
-and 95% interval over seeds of the held-out accuracy at the start and end, the gain, the area under the curve (mean
-over the evaluations), the training samples until held-out accuracy first reaches THRESHOLD (with how many seeds
-reached it), the critic's explained variance over the middle third and at the last step, the first step at which it
-reaches EV_TARGET (per seed), the CPU time of a run and, for SPO, its Monte Carlo continuation tokens; each method
-against GRPO by Welch's t on the gain and the area. Before the tables, a summary: each method's area minus GRPO's at
-every setting, with Welch's p.
+is not kept yet (a run stopped midway starts over), settings in the order given (the default puts the extremes of H
+first). Per setting and method: mean and 95% interval over seeds of the held-out accuracy at the start and end, the
+gain, the area under the curve (mean over the evaluations), the training samples until held-out accuracy first reaches
+THRESHOLD (with how many seeds reached it), the critic's explained variance over the middle third and at the last
+step, the first step at which it reaches EV_TARGET (per seed), the CPU time of a run and, for SPO, its Monte Carlo
+continuation tokens; each method against GRPO by Welch's t on the gain and the area. Before the tables, a summary:
+each method's area minus GRPO's at every setting, with Welch's p.
 """
 import argparse
 import concurrent.futures
