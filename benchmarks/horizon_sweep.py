@@ -29,9 +29,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks.demo_table import (EV_TARGET, METHODS, T95, VARIANTS, interval, read_records, run,  # noqa: E402
                                    run_command, run_flags, welch)
-from infra.horizon import SWEEP_SETTINGS, parse_spec  # noqa: E402
+from infra.horizon import SWEEP_SETTINGS, parse_spec, spec_name  # noqa: E402
 
-SETTINGS = [f"k{k}-h{h}" + "-late" * late for k, h, late in SWEEP_SETTINGS]
+SETTINGS = [spec_name(*setting).removeprefix("horizon-") for setting in SWEEP_SETTINGS]
 RECORDS = "docs/horizon_runs"
 THRESHOLD = 0.5  # held-out accuracy that counts as learned (from about 0.2 at step 0)
 GSPO = "gspo=grpo --importance-level sequence --aggregation seq-mean"  # GSPO's sequence ratio and loss (testbed.md)

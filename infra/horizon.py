@@ -56,6 +56,11 @@ def parse_spec(text, flag="--dataset"):
     return k, h, bool(match[3])
 
 
+def spec_name(k, h, late=False):
+    """parse_spec's inverse: `horizon-k<K>-h<H>[-late]`."""
+    return f"horizon-k{k}-h{h}" + "-late" * late
+
+
 def horizon_problem(rng, split, k, h, late):
     """A row: the question (K letters, first/last, the block count), the gold answer (K digits) and the values."""
     while True:
@@ -230,7 +235,7 @@ def report(path, settings, problems=64, samples=4, seed=0):
     model, tokenizer = common.load_model(path, "float32", "cpu")
     generator, lines = HFGenerator(model, tokenizer), []
     for k, h, late in settings:
-        spec = f"horizon-k{k}-h{h}" + "-late" * late
+        spec = spec_name(k, h, late)
         rows = horizon_rows("test", problems, seed, spec)
         torch.manual_seed(seed)
         completions = generator.generate([common.prompt_ids(tokenizer, row["question"]) for row in rows], samples,

@@ -25,6 +25,7 @@ def test_the_spec_names_its_knobs_and_refuses_bad_ones_in_one_line():
     assert horizon.parse_spec("horizon-k1-h256") == (1, 256, False)
     assert horizon.parse_spec("horizon-k3-h1024-late") == (3, 1024, True)
     assert horizon.parse_spec("horizon-k4-h0") == (4, 0, False)
+    assert horizon.spec_name(3, 1024, True) == "horizon-k3-h1024-late" and horizon.spec_name(1, 0) == "horizon-k1-h0"
     for bad in ("horizon-k0-h64", "horizon-k5-h64", "horizon-k1-h60", "horizon-k1", "horizon-k1-h64-early",
                 "horizon-k1-h8000"):
         with pytest.raises(UserError, match=r"builtin:horizon-k<K>-h<H>.*multiple of 8"):
